@@ -1,0 +1,3 @@
+"""chatrl: RLHF for causal language models (SFT → reward model → PPO) with a hybrid engine."""
+
+__version__ = "0.1.0"

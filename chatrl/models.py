@@ -1,0 +1,224 @@
+"""Loading actors, tokenizers and LoRA adapters.
+
+Everything here is a thin layer over ``transformers`` and ``peft``: the model families, generation
+and tokenization are theirs. What chatrl adds is the tokenizer set-up that keeps RLHF correct
+(a pad token distinct from EOS; see DESIGN.md section 3) and DeepSpeed-Chat's LoRA flag semantics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PAD_TOKEN = "<pad>"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a ``--dtype`` value (``fp32``, ``bf16``, ``fp16``) to a torch dtype. Raises ValueError."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def vocab_size_for(tokenizer, multiple: int = 8) -> int:
+    """Embedding rows needed for ``tokenizer``: ``len(tokenizer)`` rounded up to ``multiple``."""
+    n = len(tokenizer)
+    return (n + multiple - 1) // multiple * multiple
+
+
+def prepare_tokenizer(tokenizer, padding_side: str = "right"):
+    """Give ``tokenizer`` a pad token distinct from EOS, in place, and return it.
+
+    A tokenizer without a pad token, or whose pad equals its EOS (GPT-2, Llama, Qwen2 ship so),
+    gets ``<pad>`` added as a special token. Masks in chatrl always come from ``attention_mask``;
+    a distinct pad id is a second line of defence for code outside chatrl (collators, HF
+    generation) that compares ids with ``pad_token_id``.
+
+    Raises:
+        ValueError: the tokenizer has no EOS token (answers could not be terminated).
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token; chatrl needs one to end answers")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bool = False):
+    """Load a tokenizer from a hub name or local folder and :func:`prepare_tokenizer` it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return prepare_tokenizer(tok, padding_side)
+
+
+def fit_embeddings(model, tokenizer) -> None:
+    """Resize ``model``'s embeddings to cover ``tokenizer`` (multiple of 8) and record its special ids.
+
+    Only grows the matrix: a model whose vocabulary already covers the tokenizer keeps its size
+    (OPT's checkpoints carry spare rows). ``config.pad_token_id`` is set to the tokenizer's pad id.
+    """
+    need = len(tokenizer)
+    have = model.get_input_embeddings().weight.shape[0]
+    if have < need:
+        model.resize_token_embeddings(vocab_size_for(tokenizer), pad_to_multiple_of=8)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.pad_token_id = tokenizer.pad_token_id
+
+
+def load_causal_lm(
+    path: str,
+    tokenizer,
+    dtype: str = "fp32",
+    dropout: float | None = None,
+    trust_remote_code: bool = False,
+):
+    """Load an HF causal LM (hub name or folder) ready for chatrl.
+
+    Args:
+        path: hub name (``facebook/opt-1.3b``) or local folder.
+        tokenizer: a tokenizer passed through :func:`prepare_tokenizer`; embeddings are fitted to it.
+        dtype: ``fp32`` | ``bf16`` | ``fp16``: the dtype the weights are loaded in.
+        dropout: if given, overrides every ``*dropout`` field of the config (``0.0`` turns it off).
+        trust_remote_code: passed to transformers; off unless the user asks.
+
+    Raises:
+        OSError: ``path`` is neither a local model folder nor reachable on the hub.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if dropout is not None:
+        for key in ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "resid_pdrop",
+                    "embd_pdrop", "attn_pdrop"):
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+    )
+    fit_embeddings(model, tokenizer)
+    return model
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """DeepSpeed-Chat's LoRA flags.
+
+    ``dim`` is the rank (0 turns LoRA off); ``module_name`` selects every ``nn.Linear`` whose
+    qualified name contains it (DeepSpeed-Chat's ``--lora_module_name``); ``only_optimize_lora``
+    freezes everything else; ``learning_rate`` is the LoRA weights' own rate.
+    """
+
+    dim: int = 0
+    module_name: str = "layers."
+    only_optimize_lora: bool = False
+    learning_rate: float = 5e-4
+    alpha: float | None = None
+    dropout: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.dim > 0
+
+
+def lora_target_modules(model, module_name: str) -> list[str]:
+    """Qualified names of the ``nn.Linear`` modules whose name contains ``module_name``.
+
+    Raises:
+        ValueError: nothing matches (the flag names a module the model does not have).
+    """
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and module_name in n]
+    names = [n for n in names if not n.endswith("lm_head") and not n.endswith("score")]
+    if not names:
+        raise ValueError(f"--lora_module_name {module_name!r} matches no nn.Linear in {type(model).__name__}")
+    return names
+
+
+def lora_config(model, lora: LoraSettings):
+    """The ``peft.LoraConfig`` for ``lora`` on ``model`` (``alpha`` defaults to ``dim``: scale 1)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.dim,
+        lora_alpha=lora.alpha if lora.alpha is not None else lora.dim,
+        lora_dropout=lora.dropout,
+        target_modules=lora_target_modules(model, lora.module_name),
+        bias="none",
+    )
+
+
+def apply_lora(model, lora: LoraSettings):
+    """Wrap ``model`` with peft LoRA adapters, returning the peft model (or ``model`` if LoRA is off).
+
+    With ``only_optimize_lora`` only the adapters train (peft's default); otherwise the base
+    weights stay trainable too, as DeepSpeed-Chat does.
+    """
+    if not lora.enabled:
+        return model
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora_config(model, lora))
+    if not lora.only_optimize_lora:
+        for name, p in peft_model.named_parameters():
+            if "lora_" not in name:
+                p.requires_grad_(True)
+    return peft_model
+
+
+def base_model(model):
+    """The HF model under a peft wrapper (or ``model`` itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Turn on activation checkpointing; with LoRA-only training, make inputs require grad so that
+    checkpointed blocks still produce gradients for the adapters."""
+    hf = base_model(model)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.config.use_cache = False
+    if hasattr(hf, "enable_input_require_grads"):
+        hf.enable_input_require_grads()
+
+
+def optimizer_param_groups(model, weight_decay: float, lora_learning_rate: float | None = None) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups, plus a LoRA group with its own rate.
+
+    Biases and norm weights get no weight decay (Loshchilov & Hutter, 2019, section 2 convention).
+    Empty groups are dropped (DeepSpeed rejects them).
+    """
+    decay, no_decay, lora = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if "lora_" in name:
+            lora.append(p)
+        elif p.ndim < 2 or "norm" in name.lower() or name.endswith(".bias"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if lora:
+        group = {"params": lora, "weight_decay": 0.0}
+        if lora_learning_rate is not None:
+            group["lr"] = lora_learning_rate
+        groups.append(group)
+    return [g for g in groups if g["params"]]
+
+
+def is_local_model(path: str) -> bool:
+    """True when ``path`` is a local folder holding a ``config.json``."""
+    return os.path.isfile(os.path.join(path, "config.json"))

@@ -1,0 +1,48 @@
+"""Shared fixtures: offline hub, paths to ../shared, and tiny models built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
+DATA = SHARED / "data"
+TOKENIZERS = SHARED / "tokenizers"
+STORIES = SHARED / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    if not SHARED.is_dir():
+        pytest.fail(f"offline assets not found at {SHARED} (set CHATRL_SHARED)")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, shared) -> dict[str, Path]:
+    """Tiny random OPT and Llama folders (hidden 64, 2 layers, 4 heads, GPT-2 BPE + pad)."""
+    from chatrl.tiny import TinySpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for family in ("opt", "llama"):
+        make_tiny_model(family, root / family, TinySpec(hidden=64, layers=2, heads=4, ffn=256))
+        out[family] = root / family
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tiny_models) -> Path:
+    return tiny_models["opt"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
