@@ -310,15 +310,28 @@ def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike
     """Save ``module`` (an HF model, maybe peft-wrapped, maybe ZeRO-3 partitioned) as an HF folder.
 
     All ranks must call it. Rank 0 gathers the full weights, merges LoRA, and writes
-    ``config.json``, ``model.safetensors`` (sharded if large) and the tokenizer atomically; the
-    folder then loads with plain ``from_pretrained``.
+    ``config.json``, ``model.safetensors`` (sharded if large) and the tokenizer into ``out_dir``,
+    which then loads with plain ``from_pretrained``. Files are written to a temporary folder first
+    and each is moved into place with an atomic rename; weight files of an earlier export that the
+    new one does not have are removed, other content of ``out_dir`` (logs, checkpoints) is kept.
     """
     state = full_state_dict(module)
     if is_main():
         model = _merged_hf_model(module, state)
-        with atomic_dir(out_dir) as tmp:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=out))
+        try:
             model.save_pretrained(tmp, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-        log.info("saved %s", out_dir)
+            new_files = {f.name for f in tmp.iterdir()}
+            for stale in out.glob("model*.safetensors*"):
+                if stale.name not in new_files:
+                    stale.unlink()
+            for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+                os.replace(f, out / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("saved HF model to %s", out)
     barrier()

@@ -222,3 +222,20 @@ def optimizer_param_groups(model, weight_decay: float, lora_learning_rate: float
 def is_local_model(path: str) -> bool:
     """True when ``path`` is a local folder holding a ``config.json``."""
     return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that follow the mask: ``(B, T)`` long, 0 at each row's first real token.
+
+    Left-padded rows then see the same positions as unpadded ones (pads get 0; their outputs are
+    masked anyway). Needed because Llama-family models count positions from the left edge.
+    """
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp_(min=0)
+
+
+def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logits ``(B, T, V)`` of ``model`` with position ids from the mask (padding-side invariant)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    return out.logits

@@ -1,0 +1,3 @@
+from chatrl.step1_sft.main import main
+
+main()

@@ -1,0 +1,110 @@
+"""Metrics: one JSON object per line in ``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard, a progress bar.
+
+Only rank 0 writes; other ranks get a tracker that does nothing, so step code calls it
+unconditionally.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+
+class Tracker:
+    """Writes metrics of one run.
+
+    Args:
+        output_dir: the step's output folder; the log goes to ``output_dir/logs/metrics.jsonl``
+            (appended, so a resumed run continues the same file).
+        enabled: write anything at all (true on rank 0 only).
+        tensorboard: also write TensorBoard scalars to ``tensorboard_path``
+            (default ``output_dir/logs/tb``).
+        progress: show a tqdm bar.
+    """
+
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = False,
+                 tensorboard_path: str | None = None, progress: bool = True):
+        self.enabled = enabled
+        self.progress_enabled = enabled and progress
+        self._tb = None
+        self._bar = None
+        self._start = time.time()
+        if not enabled:
+            return
+        log_dir = Path(output_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tensorboard_path or str(log_dir / "tb"))
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Record ``metrics`` (name → number) at optimizer step ``step``."""
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
+        row = {"step": step, "elapsed_s": round(time.time() - self._start, 3), **clean}
+        self._file.write(json.dumps(row, allow_nan=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            keep = ("ppl", "eval/ppl", "eval/accuracy", "reward/mean")
+            shown = {k: f"{v:.4g}" for k, v in clean.items() if isinstance(v, float) and ("loss" in k or k in keep)}
+            self._bar.set_postfix(shown, refresh=False)
+
+    def bar(self, total: int, desc: str, initial: int = 0):
+        """Start a progress bar of ``total`` optimizer steps (a no-op object off rank 0)."""
+        if self.progress_enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True)
+        return self
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def write(self, text: str) -> None:
+        """Print a line on rank 0 without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def setup_logging(rank: int) -> None:
+    """INFO logging on rank 0, warnings only elsewhere; quiets transformers' and DeepSpeed's chatter."""
+    import logging
+
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[%(asctime)s rank{rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "datasets", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - transformers is a hard dependency; be robust anyway
+        pass

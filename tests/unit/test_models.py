@@ -1,0 +1,95 @@
+"""Tokenizer set-up, LoRA selection, position ids and the SFT loss's padding invariance."""
+
+import pytest
+import torch
+
+from chatrl.models import (LoraSettings, apply_lora, causal_lm_logits, load_causal_lm, load_tokenizer,
+                           optimizer_param_groups, position_ids_from_mask, vocab_size_for)
+from chatrl.step1_sft.loss import IGNORE_INDEX, token_nll
+from tests.conftest import STORIES, TOKENIZERS
+
+
+@pytest.mark.parametrize("path,eos", [(TOKENIZERS / "gpt2", 50256), (TOKENIZERS / "qwen2", 151643), (STORIES, 2)])
+def test_pad_token_is_added_and_distinct_from_eos(path, eos):
+    tok = load_tokenizer(str(path))
+    assert tok.eos_token_id == eos
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+    assert tok.pad_token_id == len(tok) - 1  # the new token, appended
+    assert vocab_size_for(tok) % 8 == 0 and vocab_size_for(tok) >= len(tok)
+
+
+def test_stories260k_embeddings_grow_to_cover_pad():
+    tok = load_tokenizer(str(STORIES))
+    model = load_causal_lm(str(STORIES), tok)
+    assert tok.pad_token_id == 512
+    assert model.get_input_embeddings().weight.shape[0] == 520  # 513 rounded up to a multiple of 8
+    assert model.config.pad_token_id == 512
+
+
+def test_position_ids_follow_the_mask():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+def test_lora_module_selection_and_param_groups(tiny_opt):
+    tok = load_tokenizer(str(tiny_opt))
+    model = apply_lora(load_causal_lm(str(tiny_opt), tok),
+                       LoraSettings(dim=4, module_name="decoder.layers.", only_optimize_lora=True))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # 2 layers x (q, k, v, out, fc1, fc2) x (A, B)
+    assert len(trainable) == 2 * 6 * 2
+    groups = optimizer_param_groups(model, weight_decay=0.1, lora_learning_rate=3e-4)
+    assert len(groups) == 1 and groups[0]["lr"] == 3e-4 and len(groups[0]["params"]) == 24
+    with pytest.raises(ValueError, match="--lora_module_name"):
+        apply_lora(load_causal_lm(str(tiny_opt), tok), LoraSettings(dim=4, module_name="no.such.module"))
+
+
+def _pad(rows, pad_id, side):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, sl] = torch.tensor(r)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sft_loss_of_padded_batch_equals_token_weighted_unpadded_loss(tiny_models, family, side):
+    path = tiny_models[family]
+    tok = load_tokenizer(str(path))
+    model = load_causal_lm(str(path), tok).eval()
+    torch.manual_seed(0)
+    rows = [torch.randint(0, 50000, (n,)).tolist() for n in (5, 11, 8)]
+    prompt_lens = [2, 6, 3]
+    sums, counts = [], []
+    for r, p in zip(rows, prompt_lens):  # each sample alone, no padding
+        ids = torch.tensor([r])
+        labels = ids.clone()
+        labels[:, :p] = IGNORE_INDEX
+        s, n = token_nll(causal_lm_logits(model, ids, torch.ones_like(ids)), labels)
+        sums.append(s.item())
+        counts.append(n.item())
+    ids, mask = _pad(rows, tok.pad_token_id, side)
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    for i, (r, p) in enumerate(zip(rows, prompt_lens)):
+        start = ids.shape[1] - len(r) if side == "left" else 0
+        labels[i, start:start + p] = IGNORE_INDEX
+    s, n = token_nll(causal_lm_logits(model, ids, mask), labels)
+    assert n.item() == sum(counts) == (5 - 2) + (11 - 6) + (8 - 3)
+    assert s.item() / n.item() == pytest.approx(sum(sums) / sum(counts), abs=1e-5)
+
+
+def test_token_nll_hand_values():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 2] = 2.0  # predicts token at t=1
+    labels = torch.tensor([[IGNORE_INDEX, 2, 1]])
+    s, n = token_nll(logits, labels)
+    import math
+    expect = -(2.0 - math.log(math.exp(2.0) + 3)) + math.log(4.0)  # -log softmax at 2 and uniform at t=2
+    assert n.item() == 2 and s.item() == pytest.approx(expect, rel=1e-6)
+    with pytest.raises(ValueError):
+        token_nll(logits, labels[:, :2])
