@@ -1,0 +1,1 @@
+"""Step 3: PPO (proximal policy optimization) against the reward model; `core` holds the pure maths."""

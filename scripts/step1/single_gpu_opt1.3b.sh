@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Step 1 on one GPU: OPT-1.3B, ZeRO-0, bf16, LoRA 128 with gradient checkpointing (fits 24 GB+ cards).
+# Usage: scripts/step1/single_gpu_opt1.3b.sh [OUTPUT_DIR] [ZERO_STAGE]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUTPUT=${1:-output/step1_opt1.3b}; ZERO_STAGE=${2:-0}
+mkdir -p "$OUTPUT"
+deepspeed --num_gpus 1 --module chatrl.step1_sft \
+  --model_name_or_path facebook/opt-1.3b \
+  --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
+  --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \
+  --gradient_accumulation_steps 1 --learning_rate 9.65e-6 --weight_decay 0.0 --num_train_epochs 16 \
+  --lr_scheduler_type cosine --num_warmup_steps 0 --seed 1234 --dtype bf16 --gradient_checkpointing \
+  --lora_dim 128 --lora_module_name decoder.layers. --zero_stage "$ZERO_STAGE" \
+  --enable_tensorboard --output_dir "$OUTPUT" "${@:3}" 2>&1 | tee "$OUTPUT/training.log"
