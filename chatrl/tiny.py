@@ -62,8 +62,15 @@ def make_tiny_model(
         ValueError: unknown family. FileExistsError: ``out_dir`` holds files already.
     """
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from chatrl.models import prepare_tokenizer, vocab_size_for
 

@@ -125,8 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     from chatrl import dist
     from chatrl.data import SFTCollator, build_phase_data
-    from chatrl.models import (LoraSettings, apply_lora, causal_lm_logits, enable_gradient_checkpointing,
-                               load_causal_lm, load_tokenizer, optimizer_param_groups)
+    from chatrl.models import (
+        LoraSettings,
+        apply_lora,
+        causal_lm_logits,
+        enable_gradient_checkpointing,
+        load_causal_lm,
+        load_tokenizer,
+        optimizer_param_groups,
+    )
     from chatrl.step1_sft.loss import token_nll
 
     info = dist.init_distributed()

@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from chatrl.models import (LoraSettings, apply_lora, causal_lm_logits, load_causal_lm, load_tokenizer,
-                           optimizer_param_groups, position_ids_from_mask, vocab_size_for)
+from chatrl.models import (
+    LoraSettings,
+    apply_lora,
+    causal_lm_logits,
+    load_causal_lm,
+    load_tokenizer,
+    optimizer_param_groups,
+    position_ids_from_mask,
+    vocab_size_for,
+)
 from chatrl.step1_sft.loss import IGNORE_INDEX, token_nll
 from tests.conftest import STORIES, TOKENIZERS
 
@@ -66,7 +74,7 @@ def test_sft_loss_of_padded_batch_equals_token_weighted_unpadded_loss(tiny_model
     rows = [torch.randint(0, 50000, (n,)).tolist() for n in (5, 11, 8)]
     prompt_lens = [2, 6, 3]
     sums, counts = [], []
-    for r, p in zip(rows, prompt_lens):  # each sample alone, no padding
+    for r, p in zip(rows, prompt_lens, strict=False):  # each sample alone, no padding
         ids = torch.tensor([r])
         labels = ids.clone()
         labels[:, :p] = IGNORE_INDEX
@@ -75,7 +83,7 @@ def test_sft_loss_of_padded_batch_equals_token_weighted_unpadded_loss(tiny_model
         counts.append(n.item())
     ids, mask = _pad(rows, tok.pad_token_id, side)
     labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-    for i, (r, p) in enumerate(zip(rows, prompt_lens)):
+    for i, (r, p) in enumerate(zip(rows, prompt_lens, strict=False)):
         start = ids.shape[1] - len(r) if side == "left" else 0
         labels[i, start:start + p] = IGNORE_INDEX
     s, n = token_nll(causal_lm_logits(model, ids, mask), labels)

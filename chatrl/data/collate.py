@@ -1,0 +1,98 @@
+"""Collators: lists of token examples → padded ``(B, T)`` batches with masks from lengths.
+
+Masks are built from each row's length, never by comparing ids with ``pad_token_id`` (OPT's
+BOS equals its EOS, and a pad equal to EOS would hide the real end of an answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def _as_ids(x) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.long)
+    if t.ndim != 1:
+        raise ValueError(f"expected a 1-D sequence of token ids, got shape {tuple(t.shape)}")
+    return t
+
+
+def pad_sequences(seqs: Sequence, pad_token_id: int, padding_side: str = "right"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad 1-D id sequences into ``(ids (B, T), attention_mask (B, T), starts (B,))``.
+
+    ``T`` is the longest length; ``starts[b]`` is where row ``b``'s tokens begin (0 when right
+    padded). The mask is 1 on real tokens, 0 on pads.
+
+    Raises:
+        ValueError: an empty batch, ``pad_token_id`` None, or an unknown ``padding_side``.
+    """
+    if pad_token_id is None:
+        raise ValueError("pad_token_id is None: prepare the tokenizer with chatrl.models.prepare_tokenizer")
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if not seqs:
+        raise ValueError("cannot collate an empty batch")
+    rows = [_as_ids(s) for s in seqs]
+    lengths = torch.tensor([len(r) for r in rows])
+    width = int(lengths.max())
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    starts = width - lengths if padding_side == "left" else torch.zeros_like(lengths)
+    for b, r in enumerate(rows):
+        s = int(starts[b])
+        ids[b, s:s + len(r)] = r
+        mask[b, s:s + len(r)] = 1
+    return ids, mask, starts
+
+
+class SFTCollator:
+    """Phase-1 batches: ``input_ids (B, T)``, ``attention_mask (B, T)``, ``labels (B, T)``.
+
+    ``labels`` equal ``input_ids`` (aligned: the model shifts them) with ``-100`` on pads and, when
+    ``mask_prompt``, on the first ``prompt_len`` tokens of each row; the answer's EOS is a label.
+    Items are ``{"input_ids": (T_i,), "prompt_len": int}``.
+    """
+
+    def __init__(self, pad_token_id: int, mask_prompt: bool = True, padding_side: str = "right"):
+        self.pad_token_id = pad_token_id
+        self.mask_prompt = mask_prompt
+        self.padding_side = padding_side
+
+    def __call__(self, batch: Sequence[dict]) -> dict[str, torch.Tensor]:
+        ids, mask, starts = pad_sequences([x["input_ids"] for x in batch], self.pad_token_id, self.padding_side)
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        if self.mask_prompt:
+            for b, x in enumerate(batch):
+                s = int(starts[b])
+                labels[b, s:s + int(x["prompt_len"])] = IGNORE_INDEX
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class PairCollator:
+    """Phase-2 batches: ``input_ids (2B, T)`` (the ``B`` chosen rows, then the ``B`` rejected rows)
+    and ``attention_mask (2B, T)``. Items are ``{"chosen_input_ids", "rejected_input_ids", …}``."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "right"):
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+
+    def __call__(self, batch: Sequence[dict]) -> dict[str, torch.Tensor]:
+        seqs = [x["chosen_input_ids"] for x in batch] + [x["rejected_input_ids"] for x in batch]
+        ids, mask, _ = pad_sequences(seqs, self.pad_token_id, self.padding_side)
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+class PromptCollator:
+    """Phase-3 batches for generation: LEFT-padded ``input_ids (B, T)`` and ``attention_mask (B, T)``.
+    Items are ``{"prompt_ids": (P_i,)}``."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: Sequence[dict]) -> dict[str, torch.Tensor]:
+        ids, mask, _ = pad_sequences([x["prompt_ids"] for x in batch], self.pad_token_id, "left")
+        return {"input_ids": ids, "attention_mask": mask}

@@ -1,0 +1,188 @@
+"""``build_phase_data``: the entry point the three steps call for their tokenized data.
+
+Sources are read and adapted (:mod:`chatrl.data.sources`), split between phases and evaluation
+(:mod:`chatrl.data.split`), formatted and tokenized (:mod:`chatrl.data.formatting`,
+:mod:`chatrl.data.examples`), cached on disk (:mod:`chatrl.data.cache`) and returned as torch
+datasets, with a :class:`SkipReport` of what was used and what was skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chatrl import dist
+from chatrl.data.cache import Columns, cache_key, load_or_build, to_hf_dataset, tokenizer_fingerprint
+from chatrl.data.examples import PHASE_COLUMNS, tokenize_samples
+from chatrl.data.formatting import FORMAT_VERSION
+from chatrl.data.report import SkipReport
+from chatrl.data.schema import KIND_PAIRS, KIND_PROMPTS, KIND_SFT
+from chatrl.data.sources import Source, fingerprint_entry, read_source
+from chatrl.data.split import parse_data_split, phase_rows
+
+log = logging.getLogger(__name__)
+
+# Which source kinds an explicit evaluation entry may feed to each phase.
+_EVAL_KINDS = {1: (KIND_PAIRS, KIND_SFT), 2: (KIND_PAIRS,), 3: (KIND_PAIRS, KIND_SFT, KIND_PROMPTS)}
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """A ``torch`` view of a ``datasets.Dataset`` of token examples.
+
+    Items are dicts: id columns as ``LongTensor (T,)``, ``prompt_len`` as ``int``.
+    ``hf`` is the underlying ``datasets.Dataset``.
+    """
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.hf[int(i)]
+        return {k: int(v) if k == "prompt_len" else torch.tensor(v, dtype=torch.long) for k, v in row.items()}
+
+
+@dataclass(frozen=True)
+class PhaseData:
+    """What :func:`build_phase_data` returns: ``train`` and ``eval`` datasets and the ``report``."""
+
+    train: TokenizedDataset
+    eval: TokenizedDataset
+    report: SkipReport
+
+
+def _add_rows(src: Source, rows, label: str, phase: int, tokenizer, max_seq_len: int, max_prompt_len: int,
+              columns: Columns, report: SkipReport) -> None:
+    """Tokenize the samples of ``src`` from raw ``rows`` into ``columns``, counting into ``report``."""
+    by_row: dict[int, list[int]] = {}
+    for i, r in enumerate(src.sample_rows):
+        by_row.setdefault(r, []).append(i)
+    report.add_rows(label, len(rows))
+    picked = []
+    for r in rows:
+        r = int(r)
+        if r in src.row_skips:
+            report.skip(label, src.row_skips[r])
+        picked.extend(by_row.get(r, []))
+    results = tokenize_samples(phase, [src.samples[i] for i in picked], tokenizer, max_seq_len, max_prompt_len)
+    for ex, truncated in results:
+        if isinstance(ex, str):
+            report.skip(label, ex)
+            continue
+        report.use(label)
+        if truncated:
+            report.truncate(label)
+        for k in PHASE_COLUMNS[phase]:
+            columns[k].append(ex[k])
+
+
+def _build(phase: int, data_paths: Sequence[str], tokenizer, weights, max_seq_len: int, max_prompt_len: int,
+           eval_fraction: float, eval_data_paths: Sequence[str] | None, seed: int):
+    train: Columns = {k: [] for k in PHASE_COLUMNS[phase]}
+    evals: Columns = {k: [] for k in PHASE_COLUMNS[phase]}
+    report = SkipReport()
+    hold_out = eval_data_paths is None
+    for entry in data_paths:
+        src = read_source(entry)
+        tr, ev = phase_rows(src.n_rows, src.kind, phase, weights, seed, eval_fraction, hold_out)
+        if len(tr) + len(ev) == 0:
+            continue
+        _add_rows(src, tr, entry, phase, tokenizer, max_seq_len, max_prompt_len, train, report)
+        _add_rows(src, ev, entry, phase, tokenizer, max_seq_len, max_prompt_len, evals, report)
+        if report.counts(entry).used == 0:
+            raise ValueError(f"{entry!r}: no usable rows for phase {phase} ({report.describe(entry)})")
+    for entry in eval_data_paths or []:
+        src = read_source(entry)
+        if src.kind not in _EVAL_KINDS[phase]:
+            raise ValueError(f"evaluation entry {entry!r} holds {src.kind} data, which phase {phase} cannot use")
+        label = f"eval:{entry}"
+        _add_rows(src, range(src.n_rows), label, phase, tokenizer, max_seq_len, max_prompt_len, evals, report)
+        if report.counts(label).used == 0:
+            raise ValueError(f"evaluation entry {entry!r}: no usable rows ({report.describe(label)})")
+    if not train[PHASE_COLUMNS[phase][0]]:
+        raise ValueError(f"phase {phase} gets no training rows from {list(data_paths)} with these "
+                         f"--data_split weights {weights}: SFT-only data feeds phase 1, prompt-only data phase 3")
+    return train, evals, report
+
+
+def phase_cache_key(phase: int, data_paths: Sequence[str], tokenizer, *, data_split: str = "2,4,4",
+                    max_seq_len: int = 512, max_prompt_len: int = 256, eval_fraction: float = 0.05,
+                    eval_data_paths: Sequence[str] | None = None, seed: int = 1234) -> str:
+    """The cache key of :func:`build_phase_data` with these arguments (sha256 hex, 64 chars).
+
+    Raises:
+        FileNotFoundError / ValueError: an entry cannot be read, or ``data_split`` is invalid.
+    """
+    spec = {
+        "format_version": FORMAT_VERSION,
+        "phase": phase,
+        "data": [fingerprint_entry(e) for e in data_paths],
+        "eval_data": None if eval_data_paths is None else [fingerprint_entry(e) for e in eval_data_paths],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_seq_len": max_seq_len,
+        "max_prompt_len": max_prompt_len,
+        "data_split": list(parse_data_split(data_split)),
+        "eval_fraction": eval_fraction,
+        "seed": seed,
+    }
+    return cache_key(spec)
+
+
+def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split: str = "2,4,4",
+                     max_seq_len: int = 512, max_prompt_len: int = 256, eval_fraction: float = 0.05,
+                     eval_data_paths: list[str] | None = None, seed: int = 1234,
+                     cache_dir: str | None = "/tmp/chatrl_data") -> PhaseData:
+    """Tokenized train and eval data of one phase, blended from several ``--data_path`` entries.
+
+    Items of ``train``/``eval`` (see :class:`TokenizedDataset`):
+
+    - phase 1: ``{"input_ids": (T,), "prompt_len": int}``, prompt + answer + EOS, ``T ≤ max_seq_len``;
+    - phase 2: ``{"chosen_input_ids": (Tc,), "rejected_input_ids": (Tr,), "prompt_len": int}``;
+    - phase 3: ``{"prompt_ids": (P,)}``, ``P ≤ max_prompt_len``.
+
+    Args:
+        phase: 1 (SFT), 2 (reward model) or 3 (PPO).
+        data_paths: entries (see :mod:`chatrl.data.sources`); all are blended, train rows in
+            entry order (shuffling is the sampler's job).
+        tokenizer: a tokenizer prepared by :func:`chatrl.models.prepare_tokenizer`.
+        data_split: ``--data_split`` phase weights for pair sources.
+        max_seq_len: longest prompt + answer (phases 1–2); prompts are cut from the left to fit.
+        max_prompt_len: longest prompt in phase 3 (cut from the left, counted as ``truncated``).
+        eval_fraction: share of each source's phase part held out for evaluation.
+        eval_data_paths: explicit evaluation entries; then no rows are held out of training.
+        seed: seed of the phase split.
+        cache_dir: token cache folder (``None`` disables it). Every rank must see it (a shared file
+            system on multi-node runs): rank 0 writes it, the others read it.
+
+    Raises:
+        FileNotFoundError: a missing path. ValueError: a bad ``data_split``, phase or length,
+            an empty file, an unknown schema, a source with no usable rows, or no training rows.
+    """
+    if phase not in PHASE_COLUMNS:
+        raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
+    if not data_paths:
+        raise ValueError("--data_path needs at least one entry")
+    if max_seq_len < 2 or max_prompt_len < 1:
+        raise ValueError(f"max_seq_len must be >= 2 and max_prompt_len >= 1, got {max_seq_len}, {max_prompt_len}")
+    weights = parse_data_split(data_split)
+
+    def build():
+        return _build(phase, data_paths, tokenizer, weights, max_seq_len, max_prompt_len, eval_fraction,
+                      eval_data_paths, seed)
+
+    if cache_dir is None:
+        train_cols, eval_cols, report = build()
+        train, evals = to_hf_dataset(phase, train_cols), to_hf_dataset(phase, eval_cols)
+    else:
+        key = phase_cache_key(phase, data_paths, tokenizer, data_split=data_split, max_seq_len=max_seq_len,
+                              max_prompt_len=max_prompt_len, eval_fraction=eval_fraction,
+                              eval_data_paths=eval_data_paths, seed=seed)
+        train, evals, report = load_or_build(phase, key, cache_dir, build)
+    if dist.is_main():
+        log.info("phase %d data: %d train, %d eval. %s", phase, len(train), len(evals), report.summary())
+    return PhaseData(TokenizedDataset(train), TokenizedDataset(evals), report)
