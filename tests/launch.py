@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (torchrun's port 0 does not work with static rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(args: list[str], nprocs: int = 2, timeout: float = 300, env: dict | None = None,
@@ -21,7 +29,7 @@ def run_ranks(args: list[str], nprocs: int = 2, timeout: float = 300, env: dict 
                 "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
-           "--master_port", "0", *args] if nprocs > 1 else [sys.executable, *args]
+           "--master_port", str(free_port()), *args] if nprocs > 1 else [sys.executable, *args]
     proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]

@@ -120,6 +120,11 @@ def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, ze
 
 def main(argv: list[str] | None = None) -> dict:
     """Run step 1; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
+    return run(argv)["metrics"]
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run step 1 and return ``{"metrics", "engine", "tokenizer", "args"}`` (the engine for in-process checks)."""
     args = cli.parse(build_parser(), argv)
     from transformers import get_scheduler, set_seed
 
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     dist.save_hf_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:
         cli.write_run_marker(args.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
-    return metrics
+    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""Run step 1 in-process over the launcher's ranks, then check the saved folder against the live engine.
+
+Usage (under torchrun): step1_worker.py RESULT_JSON -- <step-1 flags>. Rank 0 writes RESULT_JSON with
+the final metrics, the logit difference between the engine and the saved folder, and (with LoRA)
+how far base and LoRA weights moved.
+"""
+
+import json
+import sys
+
+import torch
+
+from chatrl.dist import full_state_dict, is_main
+from chatrl.models import causal_lm_logits
+from chatrl.step1_sft.main import run
+
+
+def main():
+    out_path, rest = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
+    res = run(rest)
+    engine, tok, args = res["engine"], res["tokenizer"], res["args"]
+    engine.eval()
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in
+                                           [tok("Hello there, how are you?").input_ids, tok("Once upon").input_ids]],
+                                          batch_first=True, padding_value=tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate([tok("Hello there, how are you?").input_ids, tok("Once upon").input_ids]):
+        mask[i, :len(r)] = 1
+    with torch.no_grad():
+        live = causal_lm_logits(engine, ids, mask)
+    trained = full_state_dict(engine.module)
+    if not is_main():
+        return
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(args.output_dir).eval()
+    with torch.no_grad():
+        reloaded = causal_lm_logits(saved, ids, mask)
+    m = mask.bool()
+    result = {"metrics": res["metrics"], "max_logit_diff": (live[m] - reloaded[m]).abs().max().item(),
+              "saved_has_lora_keys": any("lora" in k for k in saved.state_dict())}
+    if args.lora_dim:
+        base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).state_dict()
+        moved_base, moved_lora = 0.0, 0.0
+        for k, v in trained.items():
+            if "lora_" in k:
+                moved_lora = max(moved_lora, v.abs().max().item() if "lora_B" in k else 0.0)
+            else:
+                name = k.replace("base_model.model.", "").replace(".base_layer", "")
+                ref = base[name]
+                if ref.shape == v.shape:
+                    moved_base = max(moved_base, (v - ref).abs().max().item())
+        result.update(moved_base=moved_base, moved_lora=moved_lora)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
