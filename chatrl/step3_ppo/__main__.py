@@ -1,0 +1,3 @@
+from chatrl.step3_ppo.main import main
+
+main()

@@ -1,0 +1,236 @@
+"""PPO for RLHF: making experience and learning from it, for an actor, a critic, a frozen reference
+and a frozen reward (any ``score_fn``).
+
+Every tensor convention follows :mod:`chatrl.step3_ppo.core` (per-token tensors cover the answer
+part only, ``(B, A)``, aligned with the generated token they score). The numbered details of
+``docs/ppo.md`` are implemented here:
+
+1. every forward pass runs with dropout off (``eval()``), training passes included, so the first
+   PPO epoch has ratio exactly 1 and KL(actor‖reference) exactly 0 when they are equal; the
+   experience pass runs on the same micro-batches as the training pass so even floating-point
+   summation order agrees;
+3. the action mask covers the generated tokens up to and including the first EOS; tokens after it
+   are overwritten with pad and masked everywhere;
+8. every rank makes the same number of optimizer steps whatever its answers: the experience
+   count per rank is fixed, answers of any length (empty, no EOS) are kept, and an answer without
+   EOS can be penalised (``penalty_no_eos``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from chatrl.step3_ppo import core
+
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``score_fn(sequences (B, T), attention_mask (B, T), prompt_len) -> scores (B,)``."""
+
+
+@dataclass
+class PPOSettings:
+    """The PPO hyper-parameters (DeepSpeed-Chat's defaults; see ``docs/ppo.md``)."""
+
+    kl_kind: str = "k1"
+    clip_reward_value: float = 5.0
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = False
+    ppo_epochs: int = 1
+    micro_batch: int = 4
+    penalty_no_eos: float = 0.0
+    unsup_coef: float = 27.8
+    ema_beta: float = 0.992
+
+
+@dataclass
+class Experience:
+    """One rank's rollouts. ``B`` rollouts, prompt width ``P``, answer width ``A``.
+
+    ``sequences``/``attention_mask``: ``(B, P + A)``, prompts left-padded, answers masked after
+    their first EOS. Per-token fields are ``(B, A)``: ``action_mask``, ``logp`` (actor),
+    ``ref_logp``, ``values`` (critic, V(state before token j)), ``kl`` (per-token KL estimate),
+    ``rewards``, ``advantages``, ``returns``, ``entropy`` (actor, nats). ``scores`` ``(B,)``: the
+    reward function's scores before clipping (penalty included).
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    action_mask: torch.Tensor
+    logp: torch.Tensor
+    ref_logp: torch.Tensor
+    values: torch.Tensor
+    kl: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    entropy: torch.Tensor
+    scores: torch.Tensor
+
+    def rows(self, idx: slice) -> Experience:
+        """The rollouts ``idx`` (a slice of the batch dimension) as a new Experience."""
+        return Experience(**{f.name: (getattr(self, f.name)[idx] if f.name != "prompt_len" else self.prompt_len)
+                             for f in fields(self)})
+
+
+def answer_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits ``(B, A, V)`` whose column ``j`` predicts answer token ``j`` (``A = T - prompt_len``)."""
+    from chatrl.models import causal_lm_logits
+
+    return causal_lm_logits(model, sequences, attention_mask)[:, prompt_len - 1:-1]
+
+
+def answer_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Critic values ``(B, A)``: column ``j`` is V(prompt, answer tokens < j)."""
+    return critic(sequences, attention_mask).values[:, prompt_len - 1:-1].float()
+
+
+class PPOTrainer:
+    """Makes experience with the four models and trains the actor and critic on it.
+
+    Args:
+        actor, critic: DeepSpeed engines with optimizers (``critic(ids, mask)`` returns
+            ``(values (B, T), end_scores (B,))``).
+        reference: a frozen causal LM (engine or module) with the actor's tokenizer.
+        score_fn: the reward, see :data:`ScoreFn` (a reward model's end score, or a rule).
+        generate: ``generate(input_ids, attention_mask) -> sequences (B, P + A)`` (the hybrid engine).
+        kl_controller: :class:`core.FixedKLController` or :class:`core.AdaptiveKLController`.
+        eos_token_id, pad_token_id: the actor tokenizer's ids.
+        ema: optional EMA copy of the actor, updated after every actor step (ZeRO-3 partitions are
+            averaged in place, no gather).
+        on_actor_step: called after every actor optimizer step (the hybrid engine marks its
+            inference copy stale there).
+    """
+
+    def __init__(self, actor, critic, reference, score_fn: ScoreFn, generate, kl_controller, settings: PPOSettings,
+                 eos_token_id: int, pad_token_id: int, ema=None, on_actor_step: Callable[[], None] | None = None):
+        self.actor, self.critic, self.reference = actor, critic, reference
+        self.score_fn, self.generate = score_fn, generate
+        self.kl_ctl, self.s = kl_controller, settings
+        self.eos, self.pad = eos_token_id, pad_token_id
+        self.ema, self.on_actor_step = ema, on_actor_step
+        for m in (actor, critic, reference, ema):
+            if m is not None:
+                m.eval()  # detail 1: dropout off in every RL forward pass
+
+    @torch.no_grad()
+    def make_experience(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[Experience, dict]:
+        """Generate answers to left-padded prompts ``(B, P)`` and score them. Returns the experience and timings."""
+        t0 = time.time()
+        seq = self.generate(prompt_ids, prompt_mask)
+        t_gen = time.time() - t0
+        P = prompt_ids.shape[1]
+        answer = seq[:, P:]
+        action_mask = core.action_mask_from_tokens(answer, self.eos).to(prompt_mask.dtype)
+        answer = answer.masked_fill(action_mask == 0, self.pad)
+        seq = torch.cat([prompt_ids, answer], dim=1)
+        mask = torch.cat([prompt_mask, action_mask], dim=1)
+
+        parts = {k: [] for k in ("logp", "ref_logp", "values", "entropy")}
+        for i in range(0, seq.shape[0], self.s.micro_batch):
+            s, m = seq[i:i + self.s.micro_batch], mask[i:i + self.s.micro_batch]
+            logits = answer_logits(self.actor, s, m, P)
+            parts["logp"].append(core.logprobs_from_logits(logits, s[:, P:]))
+            parts["entropy"].append(core.entropy_from_logits(logits))
+            del logits
+            parts["ref_logp"].append(core.logprobs_from_logits(answer_logits(self.reference, s, m, P), s[:, P:]))
+            parts["values"].append(answer_values(self.critic, s, m, P))
+        out = {k: torch.cat(v) for k, v in parts.items()}
+        scores = self.score_fn(seq, mask, P).float()
+        has_eos = (answer == self.eos).any(dim=1)
+        if self.s.penalty_no_eos:
+            scores = scores - self.s.penalty_no_eos * (~has_eos).float()
+        rewards, kl = core.compute_rewards(scores, out["logp"], out["ref_logp"], action_mask, self.kl_ctl.value,
+                                           self.s.clip_reward_value, self.s.kl_kind)
+        advantages, returns = core.gae(out["values"], rewards, action_mask, self.s.gamma, self.s.lam)
+        if self.s.whiten_advantages:
+            advantages = core.masked_whiten(advantages, action_mask)
+        exp = Experience(seq, mask, P, action_mask, out["logp"], out["ref_logp"], out["values"], kl, rewards,
+                         advantages, returns, out["entropy"], scores)
+        return exp, {"time/generate": t_gen, "time/experience": time.time() - t0 - t_gen}
+
+    def train_actor(self, exp: Experience) -> dict:
+        """One PPO-clip step of the actor on ``exp`` (one micro-batch)."""
+        logits = answer_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
+        logp = core.logprobs_from_logits(logits, exp.sequences[:, exp.prompt_len:])
+        loss, stats = core.actor_loss(logp, exp.logp, exp.advantages, exp.action_mask, self.s.cliprange)
+        self.actor.backward(loss)
+        self.actor.step()
+        self._after_actor_step()
+        return {"actor_loss": loss.detach(), **stats}
+
+    def train_critic(self, exp: Experience) -> dict:
+        """One clipped value-loss step of the critic on ``exp`` (one micro-batch)."""
+        values = answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
+        loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value)
+        self.critic.backward(loss)
+        self.critic.step()
+        return {"critic_loss": loss.detach(), **stats}
+
+    def train_ptx(self, batch: dict) -> dict:
+        """One step of the actor on unsupervised text, loss scaled by ``unsup_coef`` (Ouyang et al., 2022, eq. 2)."""
+        from chatrl.models import causal_lm_logits
+
+        logits = causal_lm_logits(self.actor, batch["input_ids"], batch["attention_mask"])
+        loss = core.ptx_loss(logits, batch["labels"])
+        self.actor.backward(self.s.unsup_coef * loss)
+        self.actor.step()
+        self._after_actor_step()
+        return {"ptx_loss": loss.detach()}
+
+    def _after_actor_step(self) -> None:
+        if self.ema is not None and self.actor.is_gradient_accumulation_boundary():
+            update_ema(self.ema, self.actor.module, self.s.ema_beta)
+        if self.on_actor_step is not None:
+            self.on_actor_step()
+
+    def learn(self, exp: Experience, ptx_batches=None) -> dict:
+        """``ppo_epochs`` passes of micro-batches over ``exp``; returns the mean of every statistic."""
+        sums: dict[str, float] = {}
+        n = 0
+        ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
+        for _ in range(self.s.ppo_epochs):
+            for i in range(0, exp.sequences.shape[0], self.s.micro_batch):
+                part = exp.rows(slice(i, i + self.s.micro_batch))
+                stats = {**self.train_actor(part), **self.train_critic(part)}
+                if ptx_iter is not None:
+                    stats.update(self.train_ptx(next(ptx_iter)))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                n += 1
+        return {k: v / max(n, 1) for k, v in sums.items()}
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, beta: float) -> None:
+    """``ema ← beta·ema + (1 − beta)·model`` over parameters, in place.
+
+    Under ZeRO-3 both modules are partitioned alike (same shapes, same world), so the local
+    partitions (``ds_tensor``) are averaged directly without a gather.
+    """
+    for p_ema, p in zip(ema.parameters(), model.parameters(), strict=True):
+        src, dst = (p.ds_tensor, p_ema.ds_tensor) if hasattr(p, "ds_tensor") else (p.data, p_ema.data)
+        dst.mul_(beta).add_(src.to(dst.dtype), alpha=1.0 - beta)
+
+
+def summarize(exp: Experience, kl_coef: float, eos_token_id: int) -> dict:
+    """Rollout statistics of one rank (means over rollouts or over action tokens), see ``docs/ppo.md``."""
+    m = exp.action_mask
+    answer = exp.sequences[:, exp.prompt_len:]
+    return {
+        "reward/score_mean": exp.scores.mean(),
+        "reward/score_std": exp.scores.std(unbiased=False),
+        "reward/mean": (exp.rewards * m).sum(dim=1).mean(),
+        "kl": (exp.kl * m).sum(dim=1).mean(),
+        "entropy": core.masked_mean(exp.entropy, m),
+        "explained_variance": core.explained_variance(exp.values, exp.returns, m),
+        "answer_len": m.sum(dim=1).float().mean(),
+        "eos_rate": ((answer == eos_token_id) & (m > 0)).any(dim=1).float().mean(),
+        "kl_coef": torch.tensor(float(kl_coef)),
+    }
