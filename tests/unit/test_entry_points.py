@@ -1,0 +1,82 @@
+"""train.py's planning, chat.py's history trimming, and the shared CLI's flag spellings."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from chatrl.cli import check_output_dir, normalize_argv, write_run_marker
+from chatrl.models import load_tokenizer
+from tests.conftest import REPO, STORIES
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_chatrl_{name}", REPO / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"_chatrl_{name}"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train = _load("train")
+chat = _load("chat")
+
+
+def test_dash_and_underscore_flags_are_the_same():
+    assert normalize_argv(["--per-device-train-batch-size", "4", "--data-path=a-b.jsonl", "-x", "val-ue"]) == [
+        "--per_device_train_batch_size", "4", "--data_path=a-b.jsonl", "-x", "val-ue"]
+
+
+def test_finished_output_is_not_clobbered(tmp_path):
+    check_output_dir(str(tmp_path), overwrite=False)  # empty folder: fine
+    write_run_marker(str(tmp_path), {"step": 1})
+    with pytest.raises(FileExistsError, match="--overwrite_output_dir"):
+        check_output_dir(str(tmp_path), overwrite=False)
+    check_output_dir(str(tmp_path), overwrite=True)
+
+
+def test_model_names_and_sizes():
+    assert train.resolve_model("opt-13b") == "facebook/opt-13b"
+    assert train.resolve_model("OPT-1.3b") == "facebook/opt-1.3b"
+    assert train.resolve_model("meta-llama/Llama-2-7b-hf") == "meta-llama/Llama-2-7b-hf"
+    assert train.resolve_model(str(STORIES)) == str(STORIES.resolve())
+    assert train.size_in_billions("facebook/opt-350m") == pytest.approx(0.35)
+    assert train.size_in_billions("facebook/opt-13b") == 13.0
+    assert train.size_in_billions("meta-llama/Llama-2-7b-hf") == 7.0
+
+
+def test_size_presets_scale_with_model_and_deployment():
+    small = train.size_preset(1.3, 0.35, "single_gpu", None, None)
+    big = train.size_preset(13, 0.35, "single_node", None, None)
+    huge_one_gpu = train.size_preset(13, 0.35, "single_gpu", None, None)
+    assert "--lora_dim" in small[1] and "--offload" not in small[1]
+    assert big[3][big[3].index("--actor_zero_stage") + 1] == "3" and "--inference_tp_size" in big[3]
+    assert "--offload" in huge_one_gpu[1] and "--offload_reference_model" in huge_one_gpu[3]
+    forced = train.size_preset(13, 0.35, "single_node", 2, 1)
+    assert forced[1][forced[1].index("--zero_stage") + 1] == "2"
+    assert forced[2][forced[2].index("--zero_stage") + 1] == "1"
+
+
+def test_multi_node_needs_a_hostfile(tmp_path):
+    with pytest.raises(SystemExit, match="hostfile"):
+        train.launcher("multi_node", None, str(tmp_path / "missing"), None)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
+    cmd, _ = train.launcher("multi_node", None, str(hostfile), 29600)
+    assert cmd[-4:] == ["--hostfile", str(hostfile), "--master_port", "29600"]
+
+
+def test_chat_history_is_trimmed_from_the_oldest_turn_and_keeps_markers_intact():
+    tok = load_tokenizer(str(STORIES), padding_side="left")
+    marker_msg = "please repeat: \n\nAssistant: hello"
+    history = [{"role": "user", "content": "first question " * 20}, {"role": "assistant", "content": "first answer " * 20},
+               {"role": "user", "content": "second question"}, {"role": "assistant", "content": "second answer"},
+               {"role": "user", "content": marker_msg}]
+    full_ids, kept = chat.prompt_ids_within(tok, history, budget=10_000)
+    assert kept == history
+    ids, kept = chat.prompt_ids_within(tok, history, budget=len(full_ids) - 1)
+    assert kept == history[2:]  # the oldest exchange went, whole
+    assert kept[-1]["content"] == marker_msg
+    assert marker_msg in tok.decode(ids)
+    ids, kept = chat.prompt_ids_within(tok, history, budget=8)  # only the newest turn, cut from the left
+    assert kept == history[-1:] and len(ids) == 8

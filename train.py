@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Run the RLHF pipeline (step 1 SFT → step 2 reward model → step 3 PPO) with one command.
+
+    python train.py --actor-model facebook/opt-13b --reward-model facebook/opt-350m --deployment-type single_node
+    python train.py --actor-model opt-1.3b --reward-model opt-350m --deployment-type single_gpu --step 2 3
+    python train.py --preset demo          # offline demo on this machine: real data, tiny models, 2 CPU ranks
+
+Each step runs as its own program through the DeepSpeed launcher (a hostfile for multi-node); the
+steps hand off only through HF folders under ``--output-dir``:
+
+    OUTPUT/step1_actor/          step 1's actor (also step 3's reference)
+    OUTPUT/step2_reward/         step 2's reward model (also step 3's critic initialisation)
+    OUTPUT/step3_rlhf/actor/     the chat model; critic/ and (--enable_ema) actor_ema/ beside it
+    OUTPUT/logs/stepN.log        each step's full log
+
+A step whose output already holds a finished run is skipped (``--overwrite`` redoes it). Per-step
+flags pass through with ``--step1-args "…"`` (and ``--step2-args``, ``--step3-args``); they come
+last, so they override the presets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
+RUN_MARKER = "chatrl_run.json"  # written last by each step (chatrl.cli.RUN_MARKER)
+
+SHORT_NAMES = {
+    **{f"opt-{s}": f"facebook/opt-{s}" for s in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b")},
+    "llama2-7b": "meta-llama/Llama-2-7b-hf", "llama2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama2-70b": "meta-llama/Llama-2-70b-hf", "qwen2-0.5b": "Qwen/Qwen2-0.5B", "qwen2-1.5b": "Qwen/Qwen2-1.5B",
+    "qwen2-7b": "Qwen/Qwen2-7B",
+}
+DEFAULT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
+                "yitingxie/rlhf-reward-datasets"]
+STEP_MODULES = {1: "chatrl.step1_sft", 2: "chatrl.step2_reward", 3: "chatrl.step3_ppo"}
+STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF with PPO"}
+
+
+def resolve_model(name: str) -> str:
+    """A local folder stays as it is; a short name (``opt-1.3b``) maps to its hub name; others pass through."""
+    if Path(name).is_dir():
+        return str(Path(name).resolve())
+    return SHORT_NAMES.get(name.lower(), name)
+
+
+def size_in_billions(name: str) -> float:
+    """Parameter count read from a name such as ``facebook/opt-1.3b`` or ``Llama-2-7b`` (1.0 when unknown)."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*([bm])\b", name.lower().replace("-hf", ""))
+    if not m:
+        return 1.0
+    return float(m.group(1)) / (1000.0 if m.group(2) == "m" else 1.0)
+
+
+def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: int | None,
+                reward_zero: int | None) -> dict[int, list[str]]:
+    """Batch sizes, ZeRO stages, LoRA and offload for the model sizes and deployment.
+
+    The figures follow DeepSpeed-Chat's published training scripts: ZeRO-3 and LoRA for large
+    actors, gradient checkpointing above ~1B parameters, CPU offload of optimizer states and the
+    reference model for actors that do not fit (e.g. 13B on one GPU, 66B+ on one node).
+    """
+    gpus = {"single_gpu": 1, "single_node": 8, "multi_node": 64, "cpu": 2}[deployment]
+    big = actor_b >= 6
+    az = actor_zero if actor_zero is not None else (3 if (actor_b >= 1.3 or gpus > 1) else 0)
+    rz = reward_zero if reward_zero is not None else (3 if reward_b >= 6 or (gpus > 1 and reward_b >= 1.3) else 0)
+    offload = (deployment == "single_gpu" and actor_b >= 6) or (deployment == "single_node" and actor_b >= 30)
+    mb = 1 if actor_b >= 30 else 2 if big else 4 if actor_b >= 1 else 8
+    lora = ["--lora_dim", "128", "--lora_module_name", "layers."] if actor_b >= 1.3 else []
+    ckpt = ["--gradient_checkpointing"] if actor_b >= 1.3 else []
+    dtype = "bf16" if deployment != "cpu" else "fp32"
+    step1 = ["--zero_stage", str(az), "--dtype", dtype, "--per_device_train_batch_size", str(mb),
+             "--per_device_eval_batch_size", str(mb), "--learning_rate", "9.65e-6" if actor_b >= 1 else "1e-4",
+             "--num_train_epochs", "1" if big else "2", *lora, *ckpt, *(["--offload"] if offload else [])]
+    step2 = ["--zero_stage", str(rz), "--dtype", dtype, "--per_device_train_batch_size", "4" if reward_b >= 1 else "8",
+             "--learning_rate", "5e-6" if reward_b >= 1 else "5e-5", "--num_train_epochs", "1",
+             *(["--gradient_checkpointing"] if reward_b >= 1.3 else [])]
+    step3 = ["--actor_zero_stage", str(az), "--critic_zero_stage", str(rz), "--dtype", dtype,
+             "--per_device_generation_batch_size", str(mb), "--per_device_training_batch_size", str(mb),
+             "--enable_hybrid_engine", "--max_prompt_seq_len", "256", "--max_answer_seq_len", "256",
+             *(["--actor_lora_dim", "128", "--actor_lora_module_name", "layers."] if actor_b >= 1.3 else []),
+             *(["--actor_gradient_checkpointing"] if actor_b >= 1.3 else []),
+             *(["--offload_reference_model", "--offload"] if offload else [])]
+    if gpus >= 8 and big:
+        step3 += ["--inference_tp_size", "2" if actor_b < 30 else "4", "--tp_gather_partition_size", "4"]
+    return {1: step1, 2: step2, 3: step3}
+
+
+def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
+    """The offline demo: stories260K (a real pretrained tiny Llama) as actor and reward backbone, real
+    hh-rlhf + Alpaca data from ../shared, 2 CPU ranks, actor under ZeRO-3 with the hybrid engine."""
+    data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
+    model = str(SHARED / "models" / "stories260K")
+    common = ["--data_path", *data, "--data_split", "2,4,4", "--data_output_path", str(output / "data_cache")]
+    step1 = [*common[:1], *data, str(SHARED / "data" / "alpaca-instructions"), *common[2:], "--zero_stage", "3",
+             "--max_seq_len", "256", "--per_device_train_batch_size", "16", "--learning_rate", "2e-3",
+             "--num_warmup_steps", "10", "--num_train_epochs", "2", "--eval_interval", "50",
+             "--eval_eos_samples", "32"]
+    step2 = [*common, "--zero_stage", "3", "--max_seq_len", "256", "--per_device_train_batch_size", "8",
+             "--learning_rate", "2e-3", "--num_warmup_steps", "10", "--num_train_epochs", "1", "--eval_interval", "50"]
+    step3 = [*common, "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--enable_hybrid_engine",
+             "--max_prompt_seq_len", "128", "--max_answer_seq_len", "48", "--per_device_generation_batch_size", "16",
+             "--per_device_training_batch_size", "16", "--actor_learning_rate", "3e-4",
+             "--critic_learning_rate", "1e-3", "--num_warmup_steps", "5", "--max_steps", "40",
+             "--init_kl_coef", "0.1", "--print_answers", "--print_answers_interval", "10"]
+    return model, model, {1: step1, 2: step2, 3: step3}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=["demo"], help="demo: the offline end-to-end run on this machine (2 CPU ranks)")
+    p.add_argument("--actor-model", help="hub name, short name (opt-1.3b, opt-13b, llama2-7b) or local folder")
+    p.add_argument("--reward-model", help="as --actor-model; the reward model's and critic's backbone")
+    p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node", "cpu"])
+    p.add_argument("--step", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3], help="steps to run, in order")
+    p.add_argument("--output-dir", default=str(REPO / "output"), help="where every step writes")
+    p.add_argument("--data-path", nargs="+", default=None, help="data sets for all steps (default: DeepSpeed-Chat's four)")
+    p.add_argument("--actor-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    p.add_argument("--reward-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    p.add_argument("--num-gpus", type=int, default=None, help="GPUs per node (default: all the launcher sees)")
+    p.add_argument("--hostfile", default="/job/hostfile", help="DeepSpeed hostfile for --deployment-type multi_node")
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true", help="redo steps whose output already holds a finished run")
+    for s in (1, 2, 3):
+        p.add_argument(f"--step{s}-args", default="", help=f"extra flags for step {s}, as one quoted string")
+    return p
+
+
+def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: int | None) -> tuple[list, dict]:
+    """The DeepSpeed launcher command and environment for a deployment."""
+    cmd = [str(Path(sys.executable).with_name("deepspeed"))]
+    if not Path(cmd[0]).exists():
+        cmd = ["deepspeed"]
+    env = {}
+    if deployment == "cpu":
+        cmd += ["--num_gpus", str(num_gpus or 2)]
+        env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    elif deployment == "single_gpu":
+        cmd += ["--num_gpus", "1"]
+    elif deployment == "single_node" and num_gpus:
+        cmd += ["--num_gpus", str(num_gpus)]
+    elif deployment == "multi_node":
+        if not Path(hostfile).exists():
+            raise SystemExit(f"--deployment-type multi_node needs a DeepSpeed hostfile; {hostfile} does not exist "
+                             "(pass --hostfile PATH with one 'host slots=N' line per node)")
+        cmd += ["--hostfile", hostfile]
+    if master_port:
+        cmd += ["--master_port", str(master_port)]
+    return cmd, env
+
+
+def run_step(step: int, cmd: list[str], env: dict, log_path: Path) -> float:
+    """Run one step, streaming its output to the terminal and ``log_path``; returns seconds taken.
+
+    Raises:
+        SystemExit: the step failed; the message names the step and the log, after its last lines.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tail: list[str] = []
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        tty, drawn = sys.stdout.isatty(), False
+        for line in proc.stdout:
+            log.write(line)
+            tail = (tail + [line])[-40:]
+            if _PROGRESS.search(line):  # a tqdm update: redraw in place on a terminal, else leave it to the log
+                if tty:
+                    print(f"\r  [step {step}] {line.strip()[:150]}", end="", flush=True)
+                    drawn = True
+            elif _worth_showing(line):
+                print(("\n" if drawn else "") + f"  [step {step}] {line.rstrip()}", flush=True)
+                drawn = False
+        code = proc.wait()
+    if code != 0:
+        sys.stderr.write("".join(tail))
+        raise SystemExit(f"train.py: step {step} ({STEP_NAMES[step]}) failed with exit code {code}; "
+                         f"full log: {log_path}")
+    return time.time() - t0
+
+
+_PROGRESS = re.compile(r"\d+/\d+ \[[\d:<?]+.*(it/s|s/it)")
+_NOISE = re.compile(r"Warning|warn\(|UserWarning|FutureWarning|\[INFO\]|\[WARNING\]|real_accelerator|return func|"
+                    r"^\s*$|it/s\]|shm_comm_op|Loading weights|Writing model|Saving the dataset|W\d{4} |torch.distributed")
+
+
+def _worth_showing(line: str) -> bool:
+    return not _NOISE.search(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    out = Path(a.output_dir).resolve()
+    if a.preset == "demo":
+        for needed in (SHARED / "models" / "stories260K", SHARED / "data" / "hh-rlhf"):
+            if not needed.exists():
+                raise SystemExit(f"the demo reads offline assets from {SHARED}; {needed} is missing "
+                                 "(set CHATRL_SHARED to the shared/ folder)")
+        actor, reward, flags = demo_plan(out)
+        a.deployment_type = "cpu"
+    else:
+        if not a.actor_model or not a.reward_model:
+            raise SystemExit("train.py: pass --actor-model and --reward-model (or --preset demo)")
+        actor, reward = resolve_model(a.actor_model), resolve_model(a.reward_model)
+        flags = size_preset(size_in_billions(actor), size_in_billions(reward), a.deployment_type,
+                            a.actor_zero_stage, a.reward_zero_stage)
+        data = a.data_path or DEFAULT_DATA
+        for s in (1, 2, 3):
+            flags[s] = ["--data_path", *data, *flags[s]]
+    if a.preset == "demo":  # explicit stages override the demo's (later flags win in argparse)
+        if a.actor_zero_stage is not None:
+            flags[1] += ["--zero_stage", str(a.actor_zero_stage)]
+            flags[3] += ["--actor_zero_stage", str(a.actor_zero_stage)]
+        if a.reward_zero_stage is not None:
+            flags[2] += ["--zero_stage", str(a.reward_zero_stage)]
+            flags[3] += ["--critic_zero_stage", str(a.reward_zero_stage)]
+    cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port)
+    dirs = {1: out / "step1_actor", 2: out / "step2_reward", 3: out / "step3_rlhf"}
+    models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],
+              3: ["--actor_model_name_or_path", str(dirs[1]), "--critic_model_name_or_path", str(dirs[2])]}
+    steps = sorted(set(a.step))
+    print(f"train.py: steps {steps} → {out} ({a.deployment_type}; actor {actor}; reward {reward})", flush=True)
+    times = {}
+    for s in steps:
+        if (dirs[s] / RUN_MARKER).exists() and not a.overwrite:
+            print(f"step {s} ({STEP_NAMES[s]}): {dirs[s]} already holds a finished run; skipped "
+                  "(--overwrite to redo)", flush=True)
+            continue
+        if s == 3:
+            for need in (1, 2):
+                if not (dirs[need] / "config.json").exists():
+                    raise SystemExit(f"step 3 needs step {need}'s output in {dirs[need]}; run --step {need} first")
+        extra = shlex.split(getattr(a, f"step{s}_args"))
+        step_cmd = [*cmd, "--module", STEP_MODULES[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
+                    *(["--overwrite_output_dir"] if a.overwrite else []), *extra]
+        log_path = out / "logs" / f"step{s}.log"
+        print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})", flush=True)
+        times[s] = run_step(s, step_cmd, env, log_path)
+        print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+    if 3 in times or (dirs[3] / "actor" / "config.json").exists():
+        print(f"chat with the result: python chat.py --path {dirs[3] / 'actor'}", flush=True)
+    print("wall time per step (s): " + ", ".join(f"step {s}: {t:.0f}" for s, t in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
