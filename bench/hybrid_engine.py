@@ -1,0 +1,126 @@
+"""Benchmark: generation throughput of plain ZeRO-3 ``generate`` against the hybrid engine.
+
+Run it plainly and it launches itself over 2 CPU ranks (torchrun, gloo)::
+
+    .venv/bin/python bench/hybrid_engine.py                      # the reference set-up (a few minutes)
+    .venv/bin/python bench/hybrid_engine.py --hidden 128 --layers 2 --new-tokens 16   # quick
+
+The reference set-up: a randomly initialised OPT (hidden 512, 8 layers, 8 heads, FFN 2048,
+vocab 50272, fp32) trained under ZeRO-3 over 2 ranks, batch 8 per rank, prompts of 128 tokens,
+128 new tokens with EOS disabled (``min_new_tokens = max_new_tokens``), greedy. Measured:
+
+(a) ``plain``: ``HybridEngine(enable=False)``, i.e. HF ``generate(synced_gpus=True)`` on the
+    ZeRO-3 module (every layer all-gathered for every token);
+(b) ``engine_tp1`` and (c) ``engine_tp2``: the hybrid engine, with the entry (gather + shard) and
+    exit (release) counted in the wall time.
+
+It prints one JSON object: new tokens/s over both ranks for each mode, the ratio of each to (a),
+the engine's phase timings, and whether the greedy tokens of every mode agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=50272)
+    ap.add_argument("--batch", type=int, default=8, help="prompts per rank")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--modes", default="plain,engine_tp1,engine_tp2")
+    ap.add_argument("--gather-group", type=int, default=8, help="--tp_gather_partition_size")
+    return ap.parse_args(argv)
+
+
+def _launch(argv) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = _args(argv)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nprocs),
+           "--master_port", str(port), __file__, *argv]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not result:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-6000:])
+        return proc.returncode or 1
+    print(result[-1])
+    return 0
+
+
+def _worker(argv) -> None:
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from chatrl import dist as cdist
+    from chatrl.hybrid_engine import HybridEngine
+
+    args = _args(argv)
+    info = cdist.init_distributed()
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                    num_attention_heads=args.heads, ffn_dim=4 * args.hidden, word_embed_proj_dim=args.hidden,
+                    max_position_embeddings=max(2048, args.prompt_tokens + args.new_tokens),
+                    do_layer_norm_before=True, dropout=0.0, pad_token_id=1, eos_token_id=2, bos_token_id=2)
+    model = OPTForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    config = cdist.deepspeed_config(cdist.BatchSizes(args.batch, 1, info.world_size), zero_stage=3)
+    engine = cdist.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    gen = torch.Generator().manual_seed(1 + info.rank)
+    ids = torch.randint(3, args.vocab, (args.batch, args.prompt_tokens), generator=gen)
+    mask = torch.ones_like(ids)
+    n = args.new_tokens
+    kw = dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=2, pad_token_id=1)
+    out: dict = {"setup": {"model": "opt", "params": n_params, "hidden": args.hidden, "layers": args.layers,
+                           "vocab": args.vocab, "ranks": info.world_size, "zero_stage": 3,
+                           "batch_per_rank": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": n,
+                           "dtype": "fp32", "threads_per_rank": None}}
+    seqs = {}
+    for mode in args.modes.split(","):
+        he = (HybridEngine(engine, enable=False) if mode == "plain"
+              else HybridEngine(engine, inference_tp_size=int(mode[-1]), tp_gather_partition_size=args.gather_group,
+                                release_inference_cache=True))
+        out["setup"]["threads_per_rank"] = he.threads_per_rank
+        cdist.barrier()
+        t0 = time.perf_counter()
+        he.enter_inference()
+        seqs[mode] = he.generate(ids, mask, **kw)
+        he.exit_inference()
+        cdist.barrier()
+        wall = time.perf_counter() - t0
+        tokens = info.world_size * args.batch * n
+        out[mode] = {"seconds": round(wall, 3), "new_tokens_per_s": round(tokens / wall, 2),
+                     "timings": {k: round(v, 3) for k, v in he.timings.items()}}
+    plain = out.get("plain", {}).get("new_tokens_per_s")
+    if plain:
+        for mode in seqs:
+            out[mode]["ratio_to_plain"] = round(out[mode]["new_tokens_per_s"] / plain, 2)
+    modes = list(seqs)
+    same = all(torch.equal(seqs[modes[0]], seqs[m]) for m in modes[1:])
+    out["tokens_equal_across_modes"] = bool(cdist.all_reduce_sum(torch.tensor(int(not same))).item() == 0)
+    if info.is_main:
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:
+        _worker(sys.argv[1:])
+    else:
+        sys.exit(_launch(sys.argv[1:]))

@@ -1,0 +1,258 @@
+"""The decode loop of the hybrid engine: prefill once, then one token per step from a KV cache.
+
+It reproduces Hugging Face ``generate`` for decoder-only models (same position ids from the
+attention mask, same logits processing: min-new-tokens, temperature, top-k, top-p; greedy takes the
+argmax, sampling draws with ``torch.multinomial``) and adds what the layout needs:
+
+* the model body runs on the whole tensor-parallel group's batch (prompts gathered from every rank
+  of the group), the LM head's vocabulary shards are exchanged so that each rank gets full logits
+  for its own rows only, and each rank picks its own tokens;
+* one small all-gather per step shares the picked tokens and "finished" flags within the group;
+  nothing crosses groups, so groups stop independently and a rank never waits for another group;
+* keys and values are written into buffers preallocated for ``prompt + max_new_tokens`` positions
+  (transformers' ``DynamicCache`` concatenates, copying the whole cache every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How to pick tokens; the semantics are those of HF ``generate``.
+
+    ``top_k=0`` and ``top_p=1.0`` disable those filters; ``eos_token_ids`` empty means no EOS;
+    ``min_new_tokens`` masks EOS until that many tokens are out.
+    """
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    min_new_tokens: int = 0
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A KV-cache layer writing into buffers of ``capacity`` positions and returning views of them.
+
+    Keys and values have shape ``(batch, local_heads, positions, head_dim)``; head counts come from
+    the first update, so a tensor-parallel shard caches only its own heads.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_empty(b, h, self.capacity, d)
+        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def make_cache(config, capacity: int) -> Cache:
+    """A KV cache for ``capacity`` positions; HF's ``DynamicCache`` when a sliding window would bite."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and capacity > window:
+        return DynamicCache(config=config)
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
+
+
+def process_logits(logits: torch.Tensor, s: GenerationSettings, step: int) -> torch.Tensor:
+    """Scores after HF's processors: EOS masked before ``min_new_tokens``, then the sampling warpers.
+
+    Args:
+        logits: ``(rows, vocab)`` fp32 logits of the current step. step: index of the new token (0-based).
+    """
+    scores = logits
+    if step < s.min_new_tokens and s.eos_token_ids:
+        scores = scores.clone()
+        scores[:, list(s.eos_token_ids)] = -float("inf")
+    if not s.do_sample:
+        return scores
+    if s.temperature != 1.0:
+        scores = scores / s.temperature
+    if s.top_k > 0:
+        k = min(s.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if s.top_p < 1.0:
+        ordered, order = torch.sort(scores, dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1.0 - s.top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+    return scores
+
+
+def pick_tokens(scores: torch.Tensor, s: GenerationSettings, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``(rows,)`` next tokens from processed ``scores``: argmax, or a draw from their softmax."""
+    if not s.do_sample:
+        return scores.argmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+class TPGroup:
+    """This rank's tensor-parallel group: ``size`` ranks, this one at ``index`` (``group`` None for TP 1)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.index = dist.get_rank(group) if group is not None else 0
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
+
+
+@dataclass
+class GroupBatch:
+    """The group's prompts stacked: rows ``[row_start, row_start + rows)`` belong to this rank."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    row_start: int
+    rows: int
+    left_extra: int
+    counts: tuple[int, ...] = ()
+
+
+def gather_prompts(input_ids, attention_mask, group: TPGroup, pad_token_id: int, max_new_tokens: int) -> GroupBatch:
+    """All-gather left-padded prompts within the group, padding to a common width and row count.
+
+    Extra left padding changes nothing (positions come from the mask). A rank with a smaller batch
+    sends filler rows so that the gather has one shape; they are dropped on arrival.
+
+    Raises:
+        ValueError: ranks of the group disagree on ``max_new_tokens`` (their outputs must share a shape).
+    """
+    b, p = input_ids.shape
+    if group.size == 1:
+        return GroupBatch(input_ids, attention_mask, 0, b, 0, (b,))
+    meta = torch.tensor([b, p, max_new_tokens], dtype=torch.long, device=input_ids.device)
+    metas = torch.stack(group.all_gather(meta)).tolist()
+    if len({m[2] for m in metas}) != 1:
+        raise ValueError(f"ranks of a tensor-parallel group asked for different max_new_tokens: {metas}")
+    max_b, max_p = max(m[0] for m in metas), max(m[1] for m in metas)
+    ids = input_ids.new_full((max_b, max_p), pad_token_id)
+    mask = attention_mask.new_zeros((max_b, max_p))
+    ids[:b, max_p - p:] = input_ids
+    mask[:b, max_p - p:] = attention_mask
+    mask[b:, -1] = 1
+    all_ids = group.all_gather(ids)
+    all_mask = group.all_gather(mask)
+    keep = [torch.arange(m[0]) + i * max_b for i, m in enumerate(metas)]
+    rows = torch.cat(keep).to(input_ids.device)
+    start = sum(m[0] for m in metas[:group.index])
+    counts = tuple(m[0] for m in metas)
+    return GroupBatch(torch.cat(all_ids)[rows], torch.cat(all_mask)[rows], start, b, max_p - p, counts)
+
+
+def project_head(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` for the last positions, ``(rows, vocab shard)``.
+
+    On a CPU with a few rows, ``W @ hᵀ`` streams the large vocabulary matrix once in the layout the
+    BLAS prefers and runs about 1.4× faster than ``h @ Wᵀ`` (fp32, 8 rows, 512 × 50272: 14 ms
+    against 21 ms on one EPYC core); the result differs only in summation order (~1e-7).
+    """
+    weight = head.weight
+    if hidden.device.type == "cpu" and getattr(head, "bias", None) is None and hidden.shape[0] <= 8:
+        return torch.mm(weight, hidden.t()).t()
+    return head(hidden)
+
+
+def _own_logits(head_out: torch.Tensor, batch: GroupBatch, group: TPGroup) -> torch.Tensor:
+    """Full-vocabulary fp32 logits for this rank's rows from each rank's vocabulary shard of all rows."""
+    if group.size == 1:
+        return head_out.float()
+    shards = group.all_gather(head_out)
+    own = slice(batch.row_start, batch.row_start + batch.rows)
+    return torch.cat([s[own] for s in shards], dim=-1).float()
+
+
+@torch.no_grad()
+def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
+           generator: torch.Generator | None = None, keep_logits: bool = False):
+    """Generate for the group's batch; return this rank's rows.
+
+    Args:
+        model: an HF causal LM (``.model`` body, ``.lm_head``), possibly tensor-parallel over ``group``.
+        batch: the group's left-padded prompts (:func:`gather_prompts`).
+        s: generation settings. generator: RNG for sampling (global RNG when ``None``).
+        keep_logits: also return the raw per-step logits of this rank's rows.
+
+    Returns:
+        ``(tokens, logits)``: ``tokens`` ``(rows, max_new_tokens)`` with ``pad_token_id`` after EOS
+        and after the group stopped; ``logits`` ``(rows, steps, vocab)`` fp32, or ``None``.
+    """
+    ids, mask = batch.input_ids, batch.attention_mask
+    n_rows, width = ids.shape
+    own = slice(batch.row_start, batch.row_start + batch.rows)
+    device = ids.device
+    full_mask = torch.cat([mask, mask.new_ones(n_rows, s.max_new_tokens)], dim=1)
+    position = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache = make_cache(model.config, width + s.max_new_tokens)
+    eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=device)
+    out = ids.new_full((batch.rows, s.max_new_tokens), s.pad_token_id)
+    kept = []
+    finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
+    body_in = dict(input_ids=ids, position_ids=position)
+    for step in range(s.max_new_tokens):
+        hidden = model.model(attention_mask=full_mask[:, :width + step], past_key_values=cache,
+                             use_cache=True, **body_in).last_hidden_state[:, -1]
+        logits = _own_logits(project_head(model.lm_head, hidden), batch, group)
+        if keep_logits:
+            kept.append(logits)
+        tokens = pick_tokens(process_logits(logits, s, step), s, generator)
+        tokens = torch.where(finished[own], torch.full_like(tokens, s.pad_token_id), tokens)
+        done = finished[own] | (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(finished[own]))
+        out[:, step] = tokens
+        all_tokens, finished = _share(tokens, done, batch, group)
+        if bool(finished.all()) or step == s.max_new_tokens - 1:
+            break
+        position = position[:, -1:] + 1
+        body_in = dict(input_ids=all_tokens[:, None], position_ids=position)
+    logits = torch.stack(kept, dim=1) if keep_logits else None
+    return out, logits
+
+
+def _share(tokens, done, batch: GroupBatch, group: TPGroup):
+    """Tokens and finished flags of every row of the group (one small all-gather per step)."""
+    if group.size == 1:
+        return tokens, done
+    packed = torch.stack([tokens, done.long()])
+    width = max(batch.counts)
+    if width > packed.shape[1]:
+        packed = torch.cat([packed, packed.new_zeros(2, width - packed.shape[1])], dim=1)
+    parts = group.all_gather(packed)
+    merged = torch.cat([p[:, :n] for p, n in zip(parts, batch.counts, strict=True)], dim=1)
+    return merged[0], merged[1].bool()

@@ -1,0 +1,342 @@
+"""The hybrid engine: switch the actor between its training layout and a fast inference layout.
+
+See ``docs/hybrid_engine.md`` for the design and measured figures. In short, around generation:
+gather the ZeRO-3 partitions a group of layers at a time, merge LoRA, shard over the
+tensor-parallel group (``torch.distributed.tensor.parallel``), decode with a preallocated KV cache
+(:mod:`chatrl.hybrid_engine.decode`), and on exit free the copy if asked to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
+from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
+from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
+
+log = logging.getLogger(__name__)
+
+
+class HybridEngineFallbackWarning(UserWarning):
+    """The actor's model family is not served by the hybrid engine; plain generation is used."""
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _has_lora(module: torch.nn.Module) -> bool:
+    return hasattr(module, "peft_config") or any("lora_" in n for n, _ in module.named_parameters())
+
+
+@contextlib.contextmanager
+def native_linear():
+    """Run with torch's own ``F.linear`` while inside the block.
+
+    Partitioning a model for ZeRO-3 replaces ``torch.nn.functional.linear`` process-wide with
+    DeepSpeed's memory-saving autograd function ("persists unless manually reset"); the inference
+    copy is not partitioned, needs no autograd, and that function fails under ``inference_mode``.
+    """
+    import torch.nn.functional as F
+
+    try:
+        from deepspeed.runtime.zero.partition_parameters import (
+            InsertPostInitMethodToModuleSubClasses as Patcher,
+        )
+    except ImportError:  # DeepSpeed absent: nothing was patched
+        yield
+        return
+    original = getattr(Patcher, "linear_bk", None)
+    if original is None or F.linear is original:
+        yield
+        return
+    patched, F.linear = F.linear, original
+    try:
+        yield
+    finally:
+        F.linear = patched
+
+
+def _eos_list(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+class HybridEngine:
+    """Generation for a DeepSpeed-wrapped actor, in a layout built for decoding.
+
+    Args:
+        actor_engine: a ``deepspeed.DeepSpeedEngine`` whose ``.module`` is an HF causal LM, possibly
+            a peft ``PeftModel`` with LoRA adapters, under ZeRO stage 0–3.
+        enable: ``--enable_hybrid_engine``; off, :meth:`generate` is HF ``generate`` on the training
+            module (``synced_gpus`` under ZeRO-3 so that ranks finishing early keep serving gathers).
+        inference_tp_size: ranks per tensor-parallel group (``--inference_tp_size``); must divide the
+            world size, the attention (and KV) head counts and the FFN width.
+        tp_gather_partition_size: decoder layers per ZeRO-3 all-gather (``--tp_gather_partition_size``).
+        release_inference_cache: free the inference copy on :meth:`exit_inference`
+            (``--release_inference_cache``); otherwise it is kept and refreshed in place.
+        num_threads: intra-op CPU threads per rank while generating; default: this process's CPUs
+            divided by the ranks on the node. Ignored on CUDA.
+        pin_threads: pin each rank to its own CPUs while generating (CPU only; default on when the
+            node has a CPU per thread of every rank).
+
+    Attributes:
+        timings: seconds of the last ``gather`` (ZeRO-3 all-gathers), ``shard`` (building the copy,
+            merging LoRA, slicing and copying shards), ``generate`` (prompt exchange and decoding) and
+            ``release`` (freeing the copy).
+
+    Raises:
+        ValueError: ``inference_tp_size`` < 1, not dividing the world size, or not dividing the
+            model's heads / FFN width.
+
+    Every rank must call :meth:`enter_inference` and :meth:`generate` together (the weight gather is
+    a collective over all ranks; decoding is collective within each tensor-parallel group).
+    """
+
+    def __init__(self, actor_engine, *, enable: bool = True, inference_tp_size: int = 1,
+                 tp_gather_partition_size: int = 8, release_inference_cache: bool = False,
+                 num_threads: int | None = None, pin_threads: bool | None = None):
+        from chatrl.models import base_model
+
+        self.engine = actor_engine
+        self.module = actor_engine.module
+        self.hf = base_model(self.module)
+        self.zero_stage = int(actor_engine.zero_optimization_stage())
+        self.rank, self.world_size = _world()
+        if inference_tp_size < 1 or self.world_size % inference_tp_size:
+            raise ValueError(f"--inference_tp_size {inference_tp_size} must be >= 1 and divide the world size "
+                             f"{self.world_size}")
+        self.tp_size = inference_tp_size
+        self.group_size = tp_gather_partition_size
+        self.release_inference_cache = release_inference_cache
+        self.device = next(self.module.parameters()).device
+        self.family = family_of(self.hf)
+        self.enabled = enable and self.family is not None
+        if enable and self.family is None:
+            warnings.warn(f"hybrid engine does not serve model_type {self.hf.config.model_type!r} "
+                          f"(served: opt, llama, qwen2, mistral); generating with plain HF generate on the "
+                          f"training layout instead", HybridEngineFallbackWarning, stacklevel=2)
+        self.timings: dict[str, float] = {"gather": 0.0, "shard": 0.0, "generate": 0.0, "release": 0.0}
+        self._direct = self.enabled and self.zero_stage < 3 and self.tp_size == 1 and not _has_lora(self.module)
+        self._copy: InferenceCopy | None = None
+        self._in_inference = False
+        self._stale = True
+        self._weights_step: int | None = None
+        self._was_training = False
+        self._tp_mesh = None
+        self._group = TPGroup()
+        if self.enabled and self.tp_size > 1:
+            check_tp_size(self.hf, self.tp_size)
+            self._tp_mesh, self._group = self._make_tp_group()
+        self._threads, self._cpus = self._thread_plan(num_threads, pin_threads)
+
+    # ------------------------------------------------------------------ layout
+    def _make_tp_group(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = self.device.type
+        mesh = init_device_mesh(device_type, (self.world_size // self.tp_size, self.tp_size),
+                                mesh_dim_names=("dp", "tp"))["tp"]
+        return mesh, TPGroup(mesh.get_group())
+
+    def _thread_plan(self, num_threads, pin_threads) -> tuple[int, list[int] | None]:
+        if self.device.type != "cpu":
+            return 0, None
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        threads = num_threads or max(1, len(cpus) // local_world)
+        if pin_threads is None:
+            pin_threads = threads * local_world <= len(cpus)
+        mine = cpus[local_rank * threads:(local_rank + 1) * threads] if pin_threads else None
+        return threads, (mine or None)
+
+    @contextlib.contextmanager
+    def _placement(self):
+        """Threads (and CPU pinning) for this rank while generating; restored afterwards."""
+        if not self._threads:
+            yield
+            return
+        prev_threads = torch.get_num_threads()
+        prev_cpus = os.sched_getaffinity(0) if self._cpus else None
+        torch.set_num_threads(self._threads)
+        if self._cpus:
+            os.sched_setaffinity(0, self._cpus)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(prev_threads)
+            if prev_cpus:
+                os.sched_setaffinity(0, prev_cpus)
+
+    def _is_stale(self) -> bool:
+        if self._direct:
+            return False
+        return self._stale or self._copy is None or self._weights_step != self.engine.global_steps
+
+    def mark_weights_stale(self) -> None:
+        """Declare the inference weights out of date (call after every optimizer step).
+
+        Stale weights are also detected from the engine's ``global_steps``; both lead to a refresh
+        at the next :meth:`enter_inference` or :meth:`generate`.
+        """
+        self._stale = True
+
+    @property
+    def threads_per_rank(self) -> int:
+        """Intra-op CPU threads this rank uses while generating (0: left as they are, e.g. on CUDA)."""
+        return self._threads
+
+    @property
+    def in_inference(self) -> bool:
+        """Whether the inference layout is entered."""
+        return self._in_inference
+
+    def enter_inference(self) -> None:
+        """Switch to the inference layout: build or refresh the inference copy if needed.
+
+        A no-op when already entered with fresh weights. Collective over all ranks under ZeRO-3.
+        """
+        if not self.enabled:
+            self._in_inference = True
+            return
+        if self._direct:
+            if not self._in_inference:
+                self._was_training = self.module.training
+                self.module.eval()
+            self.timings.update(gather=0.0, shard=0.0)
+            self._in_inference = True
+            return
+        if not self._is_stale():
+            self.timings.update(gather=0.0, shard=0.0)
+            self._in_inference = True
+            return
+        shard_s = 0.0
+        if self._copy is None:
+            t0 = time.perf_counter()
+            self._copy = InferenceCopy(self.module, self.device, self._tp_mesh, self.group_size)
+            shard_s += time.perf_counter() - t0
+        gather_s, fill_s = self._copy.refresh()
+        self.timings.update(gather=gather_s, shard=shard_s + fill_s)
+        self._weights_step = self.engine.global_steps
+        self._stale = False
+        self._in_inference = True
+
+    def exit_inference(self) -> None:
+        """Return to the training layout; with ``release_inference_cache`` free the inference copy."""
+        t0 = time.perf_counter()
+        if self._direct and self._in_inference and self._was_training:
+            self.module.train()
+        if self.release_inference_cache and self._copy is not None:
+            self._copy.release()
+            self._copy = None
+        elif self.release_inference_cache:
+            release_host_memory()
+        self._in_inference = False
+        self.timings["release"] = time.perf_counter() - t0
+
+    # -------------------------------------------------------------- generation
+    def _settings(self, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                  min_new_tokens) -> GenerationSettings:
+        gen_cfg = getattr(self.hf, "generation_config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(gen_cfg, "eos_token_id", None)
+            if eos_token_id is None:
+                eos_token_id = self.hf.config.eos_token_id
+        eos = _eos_list(eos_token_id)
+        if pad_token_id is None:
+            pad_token_id = getattr(gen_cfg, "pad_token_id", None)
+            if pad_token_id is None:
+                pad_token_id = self.hf.config.pad_token_id
+            if pad_token_id is None:
+                pad_token_id = eos[0] if eos else 0
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return GenerationSettings(
+            max_new_tokens=int(max_new_tokens), do_sample=bool(do_sample), temperature=float(temperature),
+            top_k=int(top_k or 0), top_p=float(top_p), eos_token_ids=eos, pad_token_id=int(pad_token_id),
+            min_new_tokens=int(min_new_tokens or 0))
+
+    def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 eos_token_id=None, pad_token_id=None, min_new_tokens: int = 0,
+                 generator: torch.Generator | None = None, output_logits: bool = False):
+        """Generate continuations of left-padded prompts.
+
+        Args:
+            input_ids: ``(B, P)`` token ids, left-padded. attention_mask: ``(B, P)``, 1 on real tokens.
+            max_new_tokens: tokens to generate (equal on every rank of a tensor-parallel group).
+            do_sample, temperature, top_k, top_p, min_new_tokens: as in HF ``generate``
+                (``top_k=0``/``top_p=1`` disable the filters).
+            eos_token_id: an id or a list of ids ending an answer; ``None`` takes the model's.
+            pad_token_id: filler after EOS; ``None`` takes the model's.
+            generator: RNG for sampling on the engine path (the global RNG when ``None``).
+            output_logits: also return the raw logits of every decoding step.
+
+        Returns:
+            ``(B, P + max_new_tokens)`` token ids: the prompts, then the new tokens, right-padded with
+            ``pad_token_id`` after EOS or after generation stopped. With ``output_logits``, a pair
+            ``(sequences, logits)`` with ``logits`` ``(B, steps, vocab)`` fp32.
+
+        Raises:
+            ValueError: bad ``max_new_tokens`` or shapes.
+        """
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                             f"{tuple(attention_mask.shape)} must both be (B, P)")
+        s = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                           min_new_tokens)
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        if not self.enabled:
+            with self._placement():
+                return self._plain_generate(input_ids, attention_mask, s, output_logits)
+        if not self._in_inference or self._is_stale():
+            self.enter_inference()
+        model = self.hf if self._direct else self._copy.model
+        t0 = time.perf_counter()
+        with self._placement(), native_linear(), torch.inference_mode():
+            batch = gather_prompts(input_ids, attention_mask, self._group, s.pad_token_id, s.max_new_tokens)
+            tokens, logits = decode(model, batch, s, self._group, generator=generator, keep_logits=output_logits)
+        sequences = torch.cat([input_ids, tokens], dim=1)
+        self.timings["generate"] = time.perf_counter() - t0
+        return (sequences, logits) if output_logits else sequences
+
+    def _plain_generate(self, input_ids, attention_mask, s: GenerationSettings, output_logits: bool):
+        """HF ``generate`` on the training module (ZeRO-3: synced decoding so no rank hangs)."""
+        t0 = time.perf_counter()
+        was_training = self.module.training
+        self.module.eval()
+        kwargs = dict(max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens, do_sample=s.do_sample,
+                      eos_token_id=list(s.eos_token_ids) or None, pad_token_id=s.pad_token_id,
+                      synced_gpus=self.zero_stage == 3 and self.world_size > 1)
+        if s.do_sample:
+            kwargs.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        if output_logits:
+            kwargs.update(output_logits=True, return_dict_in_generate=True)
+        try:
+            with torch.no_grad():
+                out = self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        finally:
+            self.module.train(was_training)
+        sequences = out.sequences if output_logits else out
+        total = input_ids.shape[1] + s.max_new_tokens
+        if sequences.shape[1] < total:
+            fill = sequences.new_full((sequences.shape[0], total - sequences.shape[1]), s.pad_token_id)
+            sequences = torch.cat([sequences, fill], dim=1)
+        self.timings.update(gather=0.0, shard=0.0, release=0.0, generate=time.perf_counter() - t0)
+        if output_logits:
+            return sequences, torch.stack([x.float() for x in out.logits], dim=1)
+        return sequences
