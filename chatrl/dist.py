@@ -92,6 +92,15 @@ def is_main() -> bool:
     return get_rank() == 0
 
 
+def local_world_size() -> int:
+    """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, the DeepSpeed launcher's ``LOCAL_SIZE``,
+    Open MPI's, else the whole world (a safe over-estimate when sharing cores)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return get_world_size()
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from chatrl.dist import local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
@@ -155,7 +156,7 @@ class HybridEngine:
         if self.device.type != "cpu":
             return 0, None
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local_world = local_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         threads = num_threads or max(1, len(cpus) // local_world)
         if pin_threads is None:
