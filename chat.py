@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, TextStreamer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
     from chatrl.data.formatting import uses_chat_template
     from chatrl.models import load_tokenizer
@@ -106,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()
         history.append({"role": "assistant", "content": answer})
-        print(flush=True)
 
 
 if __name__ == "__main__":

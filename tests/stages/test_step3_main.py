@@ -1,0 +1,50 @@
+"""The step-3 program end to end over 2 CPU ranks: LoRA actor under ZeRO-3 with the hybrid engine,
+EMA, PTX loss, the metrics log, and the three HF folders it saves."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import DATA, STORIES
+from tests.launch import run_ranks
+
+METRICS = ["reward/score_mean", "reward/score_std", "kl", "entropy", "actor_loss", "critic_loss", "clip_frac",
+           "approx_kl", "explained_variance", "answer_len", "eos_rate", "time/generate", "time/train",
+           "time/gather", "samples_per_s", "ptx_loss", "kl_coef"]
+
+
+@pytest.mark.slow
+def test_step3_program_saves_actor_critic_and_ema(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from chatrl.models import load_tokenizer
+    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+
+    tok = load_tokenizer(str(STORIES))
+    critic = load_reward_model(str(STORIES), tok, require_head=False)
+    save_reward_model(critic, tok, tmp_path / "critic")
+    out = tmp_path / "out"
+    run_ranks(["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", str(STORIES),
+               "--critic_model_name_or_path", str(tmp_path / "critic"), "--data_path", str(DATA / "prompts"),
+               "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "32",
+               "--max_answer_seq_len", "12", "--per_device_generation_batch_size", "4",
+               "--per_device_training_batch_size", "4", "--max_steps", "3", "--actor_zero_stage", "3",
+               "--critic_zero_stage", "2", "--enable_hybrid_engine", "--actor_lora_dim", "4",
+               "--actor_learning_rate", "1e-3", "--num_warmup_steps", "0", "--enable_ema",
+               "--unsupervised_dataset_name", str(DATA / "alpaca-instructions[0:64]"), "--unsup_coef", "0.5",
+               "--print_answers", "--print_answers_interval", "1", "--output_dir", str(out),
+               "--disable_progress_bar"], timeout=400)
+    rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in METRICS:
+        assert all(key in r for r in rows), key
+    assert rows[0]["ratio_mean"] == 1.0 and rows[0]["kl"] == 0.0
+    assert (out / "chatrl_run.json").exists()
+    ids = torch.tensor([tok("Once upon a time").input_ids])
+    actor = AutoModelForCausalLM.from_pretrained(out / "actor")
+    ema = AutoModelForCausalLM.from_pretrained(out / "actor_ema")
+    assert not any("lora" in k for k in actor.state_dict())
+    assert torch.isfinite(actor(ids).logits).all() and torch.isfinite(ema(ids).logits).all()
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(out / "critic", num_labels=1)
+    assert seq_cls.score.weight.shape == (1, 64)
