@@ -52,11 +52,30 @@ def prepare_tokenizer(tokenizer, padding_side: str = "right"):
     return tokenizer
 
 
+def _load_error(path: str, what: str, err: Exception) -> OSError:
+    """An error naming ``path`` for a failed ``from_pretrained`` (for a missing local folder,
+    transformers only complains about hub repo ids): FileNotFoundError when nothing exists at
+    ``path``, else OSError."""
+    detail = f"{type(err).__name__}: {str(err).strip()}"
+    if not os.path.exists(path):
+        return FileNotFoundError(f"{what} path not found: {path} is not a local folder, and loading it as a hub "
+                                 f"name failed ({detail})")
+    return OSError(f"cannot load a {what} from {path} ({detail})")
+
+
 def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bool = False):
-    """Load a tokenizer from a hub name or local folder and :func:`prepare_tokenizer` it."""
+    """Load a tokenizer from a hub name or local folder and :func:`prepare_tokenizer` it.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist locally and is not loadable from the hub (names it).
+        OSError: ``path`` exists but holds no loadable tokenizer (names it).
+    """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error(path, "model/tokenizer", err) from err
     return prepare_tokenizer(tok, padding_side)
 
 
@@ -93,11 +112,15 @@ def load_causal_lm(
         trust_remote_code: passed to transformers; off unless the user asks.
 
     Raises:
-        OSError: ``path`` is neither a local model folder nor reachable on the hub.
+        FileNotFoundError: ``path`` is neither a local folder nor reachable on the hub (names it).
+        OSError: ``path`` exists but holds no model config (names it).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error(path, "model", err) from err
     if dropout is not None:
         for key in ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "resid_pdrop",
                     "embd_pdrop", "attn_pdrop"):
