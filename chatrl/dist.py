@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import shutil
 import socket
@@ -125,6 +126,17 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
     return out
+
+
+def shard_for_eval(n: int, rank: int, world: int) -> list[int]:
+    """Indices of rank ``rank``'s share of ``n`` eval rows, padded with ``-1`` to equal length on all ranks.
+
+    Every rank then runs the same number of forward passes (a ZeRO-3 requirement); ``-1`` rows are
+    evaluated as copies of row 0 and excluded from the metrics.
+    """
+    per_rank = math.ceil(n / world)
+    idx = list(range(rank, n, world))
+    return idx + [-1] * (per_rank - len(idx))
 
 
 @dataclass(frozen=True)

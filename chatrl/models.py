@@ -250,11 +250,11 @@ def is_local_model(path: str) -> bool:
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that follow the mask: ``(B, T)`` long, 0 at each row's first real token.
 
-    Left-padded rows then see the same positions as unpadded ones (pads get 0; their outputs are
-    masked anyway). Needed because Llama-family models count positions from the left edge.
+    Left-padded rows then see the same positions as unpadded ones; pads get 0 (their outputs are
+    never read). Needed because Llama-family models count positions from the left edge.
     """
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp_(min=0)
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).clamp(min=0) * mask
 
 
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -43,19 +43,10 @@ def build_parser():
     return p
 
 
-def shard_for_eval(n: int, rank: int, world: int) -> list[int]:
-    """Indices of rank ``rank``'s share of ``n`` eval rows, padded with ``-1`` to equal length on all ranks.
-
-    Every rank then runs the same number of forward passes (a ZeRO-3 requirement); ``-1`` rows are
-    evaluated as copies of row 0 and excluded from the metrics.
-    """
-    per_rank = math.ceil(n / world)
-    idx = list(range(rank, n, world))
-    return idx + [-1] * (per_rank - len(idx))
-
-
 def eval_batches(dataset, collate, batch_size: int, rank: int, world: int):
     """Yield ``(batch, real)`` eval micro-batches; ``real (B,)`` is False on padding rows."""
+    from chatrl.dist import shard_for_eval
+
     idx = shard_for_eval(len(dataset), rank, world)
     for i in range(0, len(idx), batch_size):
         chunk = idx[i:i + batch_size]

@@ -36,7 +36,7 @@ def test_stories260k_embeddings_grow_to_cover_pad():
 
 def test_position_ids_follow_the_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
-    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 0]]
 
 
 def test_lora_module_selection_and_param_groups(tiny_opt):

@@ -1,0 +1,3 @@
+from chatrl.step2_reward.main import main
+
+main()

@@ -1,0 +1,220 @@
+"""Step 2: train a reward model on preference pairs.
+
+Read top to bottom: flags, set-up (distributed, data, model, DeepSpeed engine), evaluation before
+training, the training loop with evaluation every ``--eval_interval`` steps and at each epoch end,
+then the HF-format save.
+
+Model: :class:`chatrl.step2_reward.model.RewardModel`, a causal-LM backbone with a bias-free
+scalar head; a sequence's score is the head's value at its last real token (from the mask).
+Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of a micro-batch
+(InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one), averaged over
+micro-batches and ranks by DeepSpeed.
+
+Metrics (``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard with ``--enable_tensorboard``):
+
+============================  ===============================================================
+``train/loss``                mean pairwise loss of the optimizer step, over ranks
+``train/accuracy``            share of the step's pairs with ``r_chosen > r_rejected``
+``train/lr``                  learning rate after the step
+``train/pairs_per_s``         training pairs per second since the start, all ranks
+``eval/accuracy``             share of eval pairs with ``r_chosen > r_rejected`` (ties are wrong)
+``eval/chosen_score``         mean end score of the chosen answers
+``eval/rejected_score``       mean end score of the rejected answers
+``eval/margin``               mean ``r_chosen - r_rejected``
+``eval/loss``                 mean pairwise loss on the eval split
+``eval/pairs``                eval pairs scored (all ranks)
+============================  ===============================================================
+
+Run ``python -m chatrl.step2_reward --help`` for the flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from chatrl import cli
+from chatrl.dist import shard_for_eval
+from chatrl.tracking import Tracker, setup_logging
+
+log = logging.getLogger("chatrl.step2")
+
+
+def build_parser():
+    p = cli.new_parser("chatrl step 2: reward model training on preference pairs")
+    cli.add_model_args(p)
+    cli.add_lora_args(p)
+    cli.add_data_args(p, max_seq_len=512)
+    cli.add_optim_args(p, lr=5e-5)
+    cli.add_dist_args(p)
+    cli.add_log_args(p)
+    g = p.add_argument_group("step 2")
+    g.add_argument("--eval_iters", type=int, default=0, help="cap on eval batches per rank (0: whole eval split)")
+    g.add_argument("--num_padding_at_beginning", type=int, default=None,
+                   help="accepted for DeepSpeed-Chat compatibility and ignored: the end score is found "
+                        "from the attention mask, whatever the padding")
+    g.add_argument("--disable_dropout", action="store_true",
+                   help="DeepSpeed-Chat's spelling of --dropout 0.0")
+    return p
+
+
+def split_pairs(end_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2B,)`` scores of a :class:`~chatrl.data.PairCollator` batch → ``(chosen (B,), rejected (B,))``."""
+    b = end_scores.shape[0] // 2
+    return end_scores[:b], end_scores[b:]
+
+
+@torch.no_grad()
+def evaluate(engine, dataset, collate, args, info) -> dict:
+    """Pairwise accuracy, mean scores, mean margin and loss over the eval split, summed over ranks.
+
+    Returns a dict of ``eval/*`` floats (see the module docstring); ``eval/pairs`` is 0 and the
+    rest NaN when the eval split is empty.
+    """
+    from chatrl.dist import all_reduce_sum
+    from chatrl.step2_reward.model import pair_stats
+
+    engine.eval()
+    keys = ("count", "correct", "chosen", "rejected", "margin", "loss")
+    total = torch.zeros(len(keys), dtype=torch.float64)
+    idx = shard_for_eval(len(dataset), info.rank, info.world_size)
+    bs = args.per_device_eval_batch_size
+    for n_batch, i in enumerate(range(0, len(idx), bs)):
+        if args.eval_iters and n_batch >= args.eval_iters:
+            break
+        chunk = idx[i:i + bs]
+        batch = collate([dataset[max(j, 0)] for j in chunk])
+        real = torch.tensor([j >= 0 for j in chunk])
+        _, scores = engine(batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device))
+        chosen, rejected = split_pairs(scores.float().cpu())
+        chosen, rejected = chosen[real], rejected[real]
+        if chosen.numel():
+            s = pair_stats(chosen, rejected)
+            s["loss"] = -torch.nn.functional.logsigmoid(chosen - rejected).double().sum()
+            total += torch.stack([s[k] for k in keys])
+    engine.train()
+    count, correct, chosen, rejected, margin, loss = all_reduce_sum(total).tolist()
+    n = count if count else float("nan")
+    return {"eval/accuracy": correct / n, "eval/chosen_score": chosen / n, "eval/rejected_score": rejected / n,
+            "eval/margin": margin / n, "eval/loss": loss / n, "eval/pairs": count}
+
+
+def describe_eval(m: dict) -> str:
+    return (f"accuracy {m['eval/accuracy']:.4f}, chosen {m['eval/chosen_score']:.4f}, "
+            f"rejected {m['eval/rejected_score']:.4f}, margin {m['eval/margin']:.4f} "
+            f"({int(m['eval/pairs'])} pairs)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run step 2; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
+    args = cli.parse(build_parser(), argv)
+    from transformers import get_scheduler, set_seed
+
+    from chatrl import dist
+    from chatrl.data import PairCollator, build_phase_data
+    from chatrl.models import (
+        LoraSettings,
+        enable_gradient_checkpointing,
+        load_tokenizer,
+        optimizer_param_groups,
+    )
+    from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
+
+    info = dist.init_distributed()
+    setup_logging(info.rank)
+    cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    set_seed(args.seed)
+    if args.num_padding_at_beginning is not None and info.is_main:
+        log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
+    dropout = 0.0 if args.disable_dropout else args.dropout
+
+    tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    # Over-long prompts are cut from the left to fit max_seq_len; identical pairs are skipped and counted.
+    data = build_phase_data(2, args.data_path, tokenizer, data_split=args.data_split, max_seq_len=args.max_seq_len,
+                            eval_fraction=args.eval_fraction,
+                            eval_data_paths=args.eval_data_path, seed=args.seed, cache_dir=args.data_output_path)
+    if info.is_main:
+        log.info("data: %d train / %d eval pairs. %s", len(data.train), len(data.eval), data.report.summary())
+    collate = PairCollator(tokenizer.pad_token_id, padding_side="right")
+    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
+                                                  shuffle=True, seed=args.seed)
+    loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_train_batch_size,
+                                         sampler=sampler, collate_fn=collate)
+
+    model = load_reward_model(args.model_name_or_path, tokenizer, dtype=args.dtype, require_head=False,
+                              dropout=dropout, trust_remote_code=args.trust_remote_code)
+    lora = LoraSettings(args.lora_dim, args.lora_module_name, args.only_optimize_lora, args.lora_learning_rate)
+    model = with_lora(model, lora)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model.hf)
+
+    batch = dist.BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
+    steps_per_epoch = len(loader) // batch.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(data.train)} training pairs give no full optimizer step of global batch "
+                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
+    total_steps = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    optimizer = dist.make_optimizer(
+        optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
+        lr=args.learning_rate, offload=args.offload)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps,
+                              num_training_steps=total_steps)
+    ds_config = dist.deepspeed_config(batch, args.zero_stage, args.offload, args.dtype, args.gradient_clipping)
+    engine = dist.initialize(model, ds_config, optimizer, scheduler)
+
+    tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
+                      progress=not args.disable_progress_bar)
+    tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
+                  f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
+                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
+    metrics = evaluate(engine, data.eval, collate, args, info)
+    initial = dict(metrics)
+    tracker.log(metrics, step=0)
+    tracker.write(f"eval before training: {describe_eval(metrics)}")
+    tracker.bar(total_steps, "step 2 reward model")
+
+    step, t0 = 0, time.time()
+    while step < total_steps:
+        sampler.set_epoch(step // steps_per_epoch)
+        it = iter(loader)
+        for _ in range(steps_per_epoch):
+            stats = torch.zeros(3, dtype=torch.float64)  # loss sum over micro-batches, correct, pairs
+            for _ in range(batch.gradient_accumulation_steps):
+                m = next(it)
+                _, scores = engine(m["input_ids"].to(info.device), m["attention_mask"].to(info.device))
+                chosen, rejected = split_pairs(scores)
+                margin = m.get("margin")
+                loss = pairwise_loss(chosen, rejected, None if margin is None else margin.to(info.device))
+                engine.backward(loss)
+                engine.step()
+                stats += torch.tensor([loss.item(), (chosen > rejected).sum().item(), chosen.numel()],
+                                      dtype=torch.float64)
+            step += 1
+            tracker.advance()
+            if step % args.log_interval == 0 or step == total_steps:
+                loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
+                tracker.log({"train/loss": loss_sum / (batch.gradient_accumulation_steps * info.world_size),
+                             "train/accuracy": correct / pairs, "train/lr": scheduler.get_last_lr()[0],
+                             "train/pairs_per_s": step * batch.global_batch / (time.time() - t0)}, step)
+            epoch_end = step % steps_per_epoch == 0
+            if (args.eval_interval and step % args.eval_interval == 0) or epoch_end or step == total_steps:
+                metrics = evaluate(engine, data.eval, collate, args, info)
+                tracker.log(metrics, step)
+                tracker.write(f"step {step}: eval {describe_eval(metrics)}")
+            if step >= total_steps:
+                break
+
+    tracker.close()
+    save_reward_model(engine.module, tokenizer, args.output_dir)
+    if info.is_main:
+        cli.write_run_marker(args.output_dir, {"step": 2, "steps": step, "metrics": metrics,
+                                               "initial_metrics": initial, "args": vars(args)})
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

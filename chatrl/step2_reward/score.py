@@ -1,0 +1,152 @@
+"""Score your own answers with a trained reward model.
+
+One pair from the command line::
+
+    python -m chatrl.step2_reward.score --model out/step2 \\
+        --prompt "How do I boil an egg?" --chosen "Put it in boiling water for 8 minutes." \\
+        --rejected "No."
+
+or every row of a file that chatrl's data layer reads (hh-rlhf ``{chosen, rejected}``
+transcripts, ``{prompt, chosen, rejected}``, ShareGPT, …; ``.jsonl``/``.json``/``.parquet``,
+optionally ``.gz``, optionally with a row slice ``file.jsonl[0:100]``)::
+
+    python -m chatrl.step2_reward.score --model out/step2 --pairs my_pairs.jsonl
+
+Output: one JSON object per pair on stdout (``index``, ``chosen``, ``rejected``, ``margin``;
+``rejected`` and ``margin`` are ``null`` for a row without a rejected answer), then a summary
+object (``pairs``, ``accuracy``, ``mean_chosen``, ``mean_rejected``, ``mean_margin``, ``skipped``).
+
+Texts are formatted exactly as in training (:func:`chatrl.data.formatting.format_prompt`: the
+tokenizer's chat template, else the ``Human: … Assistant:`` convention), answers end with one EOS,
+and an over-long prompt loses its oldest tokens. A prompt that is a ``"\\n\\nHuman: …
+\\n\\nAssistant:"`` transcript is split into its turns; any other prompt is one user message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="score prompt/answer pairs with a chatrl (or HF seq-cls) reward model",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="reward-model folder (step 2's --output_dir)")
+    p.add_argument("--prompt", help="the user's prompt (plain text or a Human/Assistant transcript)")
+    p.add_argument("--chosen", help="an answer to score (the one you expect to win)")
+    p.add_argument("--rejected", default=None, help="a second answer to score against --chosen")
+    p.add_argument("--pairs", help="a data file of pairs instead of --prompt/--chosen/--rejected")
+    p.add_argument("--schema", default=None, help="the file's schema when auto-detection fails (hh, pairs, sharegpt…)")
+    p.add_argument("--max_seq_len", type=int, default=512, help="max tokens of prompt + answer")
+    p.add_argument("--batch_size", type=int, default=8, help="pairs per forward pass")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="inference dtype")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    return p
+
+
+def prompt_messages(prompt: str) -> tuple[dict, ...]:
+    """A command-line prompt as messages: a Human/Assistant transcript is split into its turns,
+    anything else is one user message."""
+    from chatrl.data.schema import HUMAN, parse_transcript
+
+    text = prompt.rstrip()
+    if HUMAN in text and text.endswith("Assistant:"):
+        return parse_transcript(text)
+    return ({"role": "user", "content": prompt.strip()},)
+
+
+def encode_rows(tokenizer, samples, max_seq_len: int) -> list[tuple[list[int], list[int] | None] | None]:
+    """Token ids per sample: ``(prompt + chosen, prompt + rejected or None)``, or ``None`` when an
+    answer alone does not fit ``max_seq_len``. Both sides share one left-cut prompt, as in training."""
+    from chatrl.data.examples import left_cut
+    from chatrl.data.formatting import encode_answers, encode_prompts
+
+    prompts = encode_prompts(tokenizer, [s.messages for s in samples])
+    chosen = encode_answers(tokenizer, [s.chosen for s in samples])
+    rejected = encode_answers(tokenizer, [s.rejected or "" for s in samples])
+    out = []
+    for s, p, c, r in zip(samples, prompts, chosen, rejected, strict=True):
+        r = r if s.rejected is not None else None
+        cut = left_cut(p, max_seq_len - max(len(c), len(r or [])), tokenizer.bos_token_id)
+        out.append(None if cut is None else (cut + c, None if r is None else cut + r))
+    return out
+
+
+@torch.no_grad()
+def score_sequences(model, seqs: list[list[int]], pad_id: int, batch_size: int, device) -> list[float]:
+    """End scores of token sequences, right-padded in batches of ``batch_size`` (float, one per sequence)."""
+    scores: list[float] = []
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i:i + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, s in enumerate(chunk):
+            ids[j, :len(s)] = torch.tensor(s)
+            mask[j, :len(s)] = 1
+        scores += model(ids.to(device), mask.to(device)).end_scores.float().cpu().tolist()
+    return scores
+
+
+def main(argv: list[str] | None = None, out=None) -> dict:
+    """Score the pairs given by ``argv`` and print them (to ``out``, default stdout); returns the summary.
+
+    Raises:
+        SystemExit: neither ``--pairs`` nor ``--prompt`` with ``--chosen`` was given.
+    """
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from chatrl.cli import normalize_argv
+
+    parser = build_parser()
+    args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    out = out or sys.stdout
+    if bool(args.pairs) == bool(args.prompt is not None and args.chosen is not None):
+        parser.error("give either --pairs FILE or --prompt with --chosen (and optionally --rejected)")
+
+    import transformers
+
+    from chatrl.data.schema import Sample
+    from chatrl.data.sources import load_samples
+    from chatrl.models import load_tokenizer
+    from chatrl.step2_reward.model import load_reward_model
+
+    transformers.logging.set_verbosity_error()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = load_tokenizer(args.model)
+    model = load_reward_model(args.model, tokenizer, dtype=args.dtype, require_head=True).to(device).eval()
+    if args.pairs:
+        samples = [s for s in load_samples(args.pairs, args.schema) if s.chosen is not None]
+    else:
+        samples = [Sample(prompt_messages(args.prompt), args.chosen, args.rejected)]
+
+    encoded = encode_rows(tokenizer, samples, args.max_seq_len)
+    kept = [i for i, e in enumerate(encoded) if e is not None]
+    seqs = [encoded[i][0] for i in kept] + [encoded[i][1] for i in kept if encoded[i][1] is not None]
+    scores = iter(score_sequences(model, seqs, tokenizer.pad_token_id, args.batch_size, device))
+    chosen = [next(scores) for _ in kept]
+    rows = []
+    for i, c in zip(kept, chosen, strict=True):
+        r = next(scores) if encoded[i][1] is not None else None
+        rows.append({"index": i, "chosen": c, "rejected": r, "margin": None if r is None else c - r})
+        print(json.dumps(rows[-1]), file=out)
+    pairs = [r for r in rows if r["rejected"] is not None]
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else math.nan
+
+    summary = {"pairs": len(pairs), "accuracy": mean([float(r["margin"] > 0) for r in pairs]),
+               "mean_chosen": mean([r["chosen"] for r in rows]),
+               "mean_rejected": mean([r["rejected"] for r in pairs]),
+               "mean_margin": mean([r["margin"] for r in pairs]), "skipped": len(encoded) - len(kept)}
+    print(json.dumps(summary), file=out)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

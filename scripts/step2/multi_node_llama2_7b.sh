@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Step 2 on several nodes (a DeepSpeed hostfile: one "host slots=N" line per node): a Llama-2-7B reward
+# model, ZeRO-3, bf16, gradient checkpointing, LoRA 128 (the head always trains).
+# Usage: HOSTFILE=/job/hostfile scripts/step2/multi_node_llama2_7b.sh [OUTPUT_DIR] [ZERO_STAGE] [extra flags...]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUTPUT=${1:-output/step2_llama2_7b}; ZERO_STAGE=${2:-3}; HOSTFILE=${HOSTFILE:-/job/hostfile}
+mkdir -p "$OUTPUT"
+deepspeed --hostfile "$HOSTFILE" --module chatrl.step2_reward \
+  --model_name_or_path meta-llama/Llama-2-7b-hf \
+  --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
+  --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
+  --gradient_accumulation_steps 2 --learning_rate 9.65e-6 --weight_decay 0.1 --num_train_epochs 1 \
+  --lr_scheduler_type cosine --num_warmup_steps 100 --seed 1234 --dtype bf16 --disable_dropout \
+  --gradient_checkpointing --offload --lora_dim 128 --lora_module_name layers. \
+  --eval_interval 500 --eval_iters 100 --zero_stage "$ZERO_STAGE" \
+  --enable_tensorboard --output_dir "$OUTPUT" "${@:3}" 2>&1 | tee "$OUTPUT/training.log"

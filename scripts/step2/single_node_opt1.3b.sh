@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Step 2 on one node of 8 GPUs: OPT-1.3B reward model, ZeRO-3, bf16, gradient checkpointing.
+# Usage: scripts/step2/single_node_opt1.3b.sh [OUTPUT_DIR] [ZERO_STAGE] [extra flags...]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUTPUT=${1:-output/step2_opt1.3b}; ZERO_STAGE=${2:-3}
+mkdir -p "$OUTPUT"
+deepspeed --module chatrl.step2_reward \
+  --model_name_or_path facebook/opt-1.3b \
+  --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
+  --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \
+  --gradient_accumulation_steps 1 --learning_rate 5e-5 --weight_decay 0.1 --num_train_epochs 1 \
+  --lr_scheduler_type cosine --num_warmup_steps 0 --seed 1234 --dtype bf16 --disable_dropout \
+  --gradient_checkpointing --eval_interval 500 --eval_iters 100 --zero_stage "$ZERO_STAGE" \
+  --enable_tensorboard --output_dir "$OUTPUT" "${@:3}" 2>&1 | tee "$OUTPUT/training.log"
