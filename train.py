@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs per node (default: all the launcher sees)")
     p.add_argument("--hostfile", default="/job/hostfile", help="DeepSpeed hostfile for --deployment-type multi_node")
-    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--master-port", type=int, default=None,
+                   help="launcher port (default: a free one on single-node runs, 29500 across nodes)")
     p.add_argument("--overwrite", action="store_true", help="redo steps whose output already holds a finished run")
     for s in (1, 2, 3):
         p.add_argument(f"--step{s}-args", default="", help=f"extra flags for step {s}, as one quoted string")
@@ -152,9 +153,19 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
             raise SystemExit(f"--deployment-type multi_node needs a DeepSpeed hostfile; {hostfile} does not exist "
                              "(pass --hostfile PATH with one 'host slots=N' line per node)")
         cmd += ["--hostfile", hostfile]
+    if master_port is None and deployment != "multi_node":
+        master_port = _free_port()  # two jobs on one machine must not collide on the launcher's 29500
     if master_port:
         cmd += ["--master_port", str(master_port)]
     return cmd, env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_step(step: int, cmd: list[str], env: dict, log_path: Path) -> float:
