@@ -44,13 +44,15 @@ def test_step1_zero3_opt_learns_and_saves_exactly(tmp_path, tiny_opt):
 @pytest.mark.slow
 def test_step1_stories260k_lora_only_moves_lora_and_saves_merged(tmp_path):
     out, res = _step1(tmp_path, "lora", STORIES, "--zero_stage", "3", "--lora_dim", "8",
-                      "--only_optimize_lora", "--lora_learning_rate", "1e-2", "--learning_rate", "1e-2")
+                      "--only_optimize_lora", "--lora_learning_rate", "1e-2", "--learning_rate", "1e-2",
+                      "--enable_tensorboard")
     train, evals = _metrics(out)
     assert res["moved_base"] == 0.0
     assert res["moved_lora"] > 1e-3
     assert not res["saved_has_lora_keys"]
     assert res["max_logit_diff"] < 1e-4
     assert evals[-1] < evals[0]
+    assert list((out / "logs" / "tb").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.slow
