@@ -106,6 +106,30 @@ def add_log_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable_progress_bar", action="store_true", help="no tqdm bar on rank 0")
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints and resume")
+    g.add_argument("--save_interval", type=int, default=0,
+                   help="write a resumable checkpoint every N optimizer steps to OUTPUT_DIR/checkpoints (0: off)")
+    g.add_argument("--save_total_limit", type=int, default=2, help="keep only the newest N checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint, if any")
+    g.add_argument("--resume_from_checkpoint", default=None, help="continue from this checkpoint folder")
+    g.add_argument("--stop_after_steps", type=int, default=0,
+                   help="stop after N optimizer steps without the final save, as a crash would (resume tests)")
+
+
+def resume_path(args) -> str | None:
+    """The checkpoint to resume from: ``--resume_from_checkpoint``, else with ``--resume`` the newest
+    complete one under ``OUTPUT_DIR/checkpoints``, else None."""
+    if args.resume_from_checkpoint:
+        return args.resume_from_checkpoint
+    if args.resume:
+        from chatrl.dist import list_checkpoints
+
+        found = list_checkpoints(args.output_dir)
+        return str(found[-1]) if found else None
+    return None
+
+
 def check_output_dir(output_dir: str, overwrite: bool) -> None:
     """Refuse to start when ``output_dir`` holds a finished run, unless ``--overwrite_output_dir``.
 

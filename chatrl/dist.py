@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import math
 import os
@@ -356,3 +357,88 @@ def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("saved HF model to %s", out)
     barrier()
+
+
+CHECKPOINT_DIR = "checkpoints"
+COMPLETE = "complete.json"
+
+
+def _rng_state() -> dict:
+    import random
+
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(engines: dict, output_dir: str | os.PathLike, step: int, state: dict,
+                    keep: int = 2) -> Path:
+    """Write a resumable checkpoint of ``engines`` (name → DeepSpeed engine) at optimizer step ``step``.
+
+    Every rank writes its ZeRO partitions and RNG state into ``OUTPUT/checkpoints/.tmp-step_N``;
+    after a barrier rank 0 writes ``complete.json`` (``state``: counters, loader position…) and
+    renames the folder to ``step_N`` in one atomic rename, then keeps only the newest ``keep``
+    checkpoints. A crash at any point leaves earlier checkpoints intact and no ``step_N`` folder
+    without ``complete.json``. All ranks must call it.
+    """
+    root = Path(output_dir) / CHECKPOINT_DIR
+    tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(tmp / name), tag="state", save_latest=False)
+    torch.save(_rng_state(), tmp / f"rng_rank{get_rank()}.pt")
+    barrier()
+    if is_main():
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, **state}, default=str))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(list_checkpoints(output_dir), key=lambda p: int(p.name[5:]))[:-keep or None]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``OUTPUT/checkpoints``, oldest first (half-written ones are skipped)."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.glob("step_*"):
+        if p.name[5:].isdigit() and (p / COMPLETE).is_file():
+            found.append(p)
+        elif p.is_dir():
+            log.warning("skipping incomplete checkpoint %s (no %s)", p, COMPLETE)
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def load_checkpoint(engines: dict, path: str | os.PathLike) -> dict:
+    """Restore ``engines`` (models, optimizers, schedulers) and this rank's RNG from ``path``.
+
+    Returns the ``state`` dict saved with it (``step`` included).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+    """
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete chatrl checkpoint (no {COMPLETE})")
+    for name, engine in engines.items():
+        engine.load_checkpoint(str(path / name), tag="state")
+    rng = path / f"rng_rank{get_rank()}.pt"
+    if rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return json.loads((path / COMPLETE).read_text())

@@ -33,6 +33,7 @@ def build_parser():
     cli.add_optim_args(p, lr=1e-3)
     cli.add_dist_args(p)
     cli.add_log_args(p)
+    cli.add_checkpoint_args(p)
     g = p.add_argument_group("step 1")
     g.add_argument("--include_prompt_loss", action="store_true",
                    help="also train on prompt tokens (default: loss over answer tokens only)")
@@ -146,8 +147,10 @@ def run(argv: list[str] | None = None) -> dict:
     collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not args.include_prompt_loss)
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=True, seed=args.seed)
+    # A private generator: creating an iterator must not draw from the global RNG (exact resume).
     loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_train_batch_size,
-                                         sampler=sampler, collate_fn=collate)
+                                         sampler=sampler, collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(args.seed))
 
     model = load_causal_lm(args.model_name_or_path, tokenizer, dtype=args.dtype, dropout=args.dropout,
                            trust_remote_code=args.trust_remote_code)
@@ -177,17 +180,25 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
-    metrics = evaluate(engine, data.eval, collate, args, info)
-    tracker.log(metrics, step=0)
-    tracker.write(f"eval before training: loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-    tracker.bar(total_steps, "step 1 SFT")
+    step, resume, metrics = 0, cli.resume_path(args), {}
+    if resume:
+        step = dist.load_checkpoint({"model": engine}, resume)["step"]
+        tracker.write(f"resumed from {resume} at optimizer step {step}")
+    else:
+        metrics = evaluate(engine, data.eval, collate, args, info)
+        tracker.log(metrics, step=0)
+        tracker.write(f"eval before training: loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
+    tracker.bar(total_steps, "step 1 SFT", initial=step)
 
-    step, t0 = 0, time.time()
+    engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
+    t0, first_step = time.time(), step
     scale_base = info.world_size * batch.gradient_accumulation_steps
     while step < total_steps:
         sampler.set_epoch(step // steps_per_epoch)
         it = iter(loader)
-        for _ in range(steps_per_epoch):
+        for _ in range(step % steps_per_epoch * batch.gradient_accumulation_steps):  # resume mid-epoch
+            next(it)
+        for _ in range(steps_per_epoch - step % steps_per_epoch):
             micro = [{k: v.to(info.device) for k, v in next(it).items()}
                      for _ in range(batch.gradient_accumulation_steps)]
             n_local = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
@@ -205,14 +216,21 @@ def run(argv: list[str] | None = None) -> dict:
                 loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
                 tracker.log({"train/loss": loss, "train/lr": scheduler.get_last_lr()[0],
                              "train/tokens": n_global, "train/samples_per_s":
-                             step * batch.global_batch / (time.time() - t0)}, step)
+                             (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
             if (args.eval_interval and step % args.eval_interval == 0) or epoch_end or step == total_steps:
                 metrics = evaluate(engine, data.eval, collate, args, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-            if step >= total_steps:
+            if args.save_interval and step % args.save_interval == 0 and step < total_steps:
+                dist.save_checkpoint({"model": engine}, args.output_dir, step, {"epoch": step // steps_per_epoch},
+                                     keep=args.save_total_limit)
+            if step >= total_steps or step == args.stop_after_steps:
                 break
+        if step == args.stop_after_steps:
+            tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
+            tracker.close()
+            return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}
 
     if args.eval_eos_samples:
         rate = eos_rate(engine, data.eval, tokenizer, args.eval_eos_samples, args.eval_max_new_tokens,
