@@ -100,7 +100,8 @@ def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
     common = ["--data_path", *data, "--data_split", "2,4,4", "--data_output_path", str(output / "data_cache")]
-    step1 = [*common[:1], *data, str(SHARED / "data" / "alpaca-instructions"), *common[2:], "--zero_stage", "3",
+    step1 = ["--data_path", *data, str(SHARED / "data" / "alpaca-instructions"), *common[1 + len(data):],
+             "--zero_stage", "3",
              "--max_seq_len", "256", "--per_device_train_batch_size", "16", "--learning_rate", "2e-3",
              "--num_warmup_steps", "10", "--num_train_epochs", "2", "--eval_interval", "50",
              "--eval_eos_samples", "32"]
@@ -201,7 +202,7 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path) -> float:
 
 
 _PROGRESS = re.compile(r"\d+/\d+ \[[\d:<?]+.*(it/s|s/it)")
-_NOISE = re.compile(r"Warning|warn\(|UserWarning|FutureWarning|\[INFO\]|\[WARNING\]|real_accelerator|return func|"
+_NOISE = re.compile(r"Warning|^\s+return |warn\(|UserWarning|FutureWarning|\[INFO\]|\[WARNING\]|real_accelerator|return func|"
                     r"^\s*$|it/s\]|shm_comm_op|Loading weights|Writing model|Saving the dataset|W\d{4} |torch.distributed")
 
 
@@ -259,8 +260,11 @@ def main(argv: list[str] | None = None) -> None:
         times[s] = run_step(s, step_cmd, env, log_path)
         print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
-        print(f"chat with the result: python chat.py --path {dirs[3] / 'actor'}", flush=True)
-    print("wall time per step (s): " + ", ".join(f"step {s}: {t:.0f}" for s, t in times.items()), flush=True)
+        print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)
+    if times:
+        print("wall time per step (s): " + ", ".join(f"step {s}: {t:.0f}" for s, t in times.items()), flush=True)
+    else:
+        print("all requested steps were already finished (--overwrite redoes them)", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,15 +26,34 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return out
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".gz")
+DATA_FLAGS = ("data_path", "eval_data_path", "unsupervised_dataset_name")
+
+
+def _looks_local(entry: str) -> bool:
+    return entry.startswith(("/", ".", "~")) or entry.endswith(DATA_SUFFIXES)
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv`` (default ``sys.argv[1:]``) after :func:`normalize_argv`."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) after :func:`normalize_argv`.
+
+    Local data entries (a path, or a name with a data-file suffix) that do not exist are refused
+    here, with one line naming the flag, before any rank starts loading models.
+    """
     import sys
 
-    return parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    for flag in DATA_FLAGS:
+        for entry in getattr(args, flag, None) or []:
+            path = entry.split("[", 1)[0] if entry.endswith("]") else entry
+            if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+                parser.error(f"--{flag} {entry}: no such file or folder")
+    return args
 
 
-def new_parser(description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def new_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="training dtype")
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
     g.add_argument("--dropout", type=float, default=None,
-                   help="override every dropout probability in the model config (default: keep the config's)")
+                   help="override every dropout probability in the model config (unset: keep the config's)")
     g.add_argument("--trust_remote_code", action="store_true", help="allow model code from the hub (off: safer)")
 
 
@@ -102,7 +121,7 @@ def add_log_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval_interval", type=int, default=0, help="evaluate every N optimizer steps (0: per epoch only)")
     g.add_argument("--log_interval", type=int, default=1, help="log training metrics every N optimizer steps")
     g.add_argument("--enable_tensorboard", action="store_true", help="also write TensorBoard events")
-    g.add_argument("--tensorboard_path", default=None, help="TensorBoard folder (default: OUTPUT_DIR/logs/tb)")
+    g.add_argument("--tensorboard_path", default=None, help="TensorBoard folder (unset: OUTPUT_DIR/logs/tb)")
     g.add_argument("--disable_progress_bar", action="store_true", help="no tqdm bar on rank 0")
 
 

@@ -26,7 +26,7 @@ log = logging.getLogger("chatrl.step1")
 
 
 def build_parser():
-    p = cli.new_parser("chatrl step 1: supervised fine-tuning (SFT) of the actor")
+    p = cli.new_parser("chatrl step 1: supervised fine-tuning (SFT) of the actor", prog="python -m chatrl.step1_sft")
     cli.add_model_args(p)
     cli.add_lora_args(p)
     cli.add_data_args(p, max_seq_len=512)
@@ -36,7 +36,7 @@ def build_parser():
     cli.add_checkpoint_args(p)
     g = p.add_argument_group("step 1")
     g.add_argument("--include_prompt_loss", action="store_true",
-                   help="also train on prompt tokens (default: loss over answer tokens only)")
+                   help="also train on prompt tokens (off: loss over answer tokens only)")
     g.add_argument("--eval_iters", type=int, default=0, help="cap on eval batches per rank (0: whole eval split)")
     g.add_argument("--eval_eos_samples", type=int, default=0,
                    help="at the end, greedily answer this many eval prompts and report the share ending in EOS")
@@ -142,8 +142,6 @@ def run(argv: list[str] | None = None) -> dict:
     data = build_phase_data(1, args.data_path, tokenizer, data_split=args.data_split, max_seq_len=args.max_seq_len,
                             eval_fraction=args.eval_fraction, eval_data_paths=args.eval_data_path,
                             seed=args.seed, cache_dir=args.data_output_path)
-    if info.is_main:
-        log.info("data: %d train / %d eval samples. %s", len(data.train), len(data.eval), data.report.summary())
     collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not args.include_prompt_loss)
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=True, seed=args.seed)

@@ -43,7 +43,7 @@ log = logging.getLogger("chatrl.step2")
 
 
 def build_parser():
-    p = cli.new_parser("chatrl step 2: reward model training on preference pairs")
+    p = cli.new_parser("chatrl step 2: reward model training on preference pairs", prog="python -m chatrl.step2_reward")
     cli.add_model_args(p)
     cli.add_lora_args(p)
     cli.add_data_args(p, max_seq_len=512)
@@ -135,8 +135,6 @@ def main(argv: list[str] | None = None) -> dict:
     data = build_phase_data(2, args.data_path, tokenizer, data_split=args.data_split, max_seq_len=args.max_seq_len,
                             eval_fraction=args.eval_fraction,
                             eval_data_paths=args.eval_data_path, seed=args.seed, cache_dir=args.data_output_path)
-    if info.is_main:
-        log.info("data: %d train / %d eval pairs. %s", len(data.train), len(data.eval), data.report.summary())
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=True, seed=args.seed)

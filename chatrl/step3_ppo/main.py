@@ -22,7 +22,7 @@ log = logging.getLogger("chatrl.step3")
 
 
 def build_parser():
-    p = cli.new_parser("chatrl step 3: RLHF fine-tuning of the actor with PPO")
+    p = cli.new_parser("chatrl step 3: RLHF fine-tuning of the actor with PPO", prog="python -m chatrl.step3_ppo")
     g = p.add_argument_group("models")
     g.add_argument("--actor_model_name_or_path", required=True, help="step-1 output (actor and reference)")
     g.add_argument("--critic_model_name_or_path", required=True, help="step-2 output (critic initialisation)")
@@ -149,8 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     data = build_phase_data(3, args.data_path, tokenizer, data_split=args.data_split,
                             max_prompt_len=args.max_prompt_seq_len, seed=args.seed, cache_dir=args.data_output_path)
-    if info.is_main:
-        log.info("prompts: %d. %s", len(data.train), data.report.summary())
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=True, seed=args.seed)
     loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_generation_batch_size, sampler=sampler,
@@ -230,8 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
             if args.print_answers and (step % args.print_answers_interval == 0 or step == 1):
                 p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
                 a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
-                tracker.write(f"--- step {step} score {exp.scores[0].item():+.3f}\n{tokenizer.decode(p)}"
-                              f"[{tokenizer.decode(a)}]")
+                prompt = tokenizer.decode(p, skip_special_tokens=True)
+                prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
+                tracker.write(f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}"
+                              f"[{tokenizer.decode(a, skip_special_tokens=True)}]")
             if step >= total_buffers:
                 break
     tracker.close()

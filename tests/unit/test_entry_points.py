@@ -80,3 +80,26 @@ def test_chat_history_is_trimmed_from_the_oldest_turn_and_keeps_markers_intact()
     assert marker_msg in tok.decode(ids)
     ids, kept = chat.prompt_ids_within(tok, history, budget=8)  # only the newest turn, cut from the left
     assert kept == history[-1:] and len(ids) == 8
+
+
+def test_missing_local_data_path_is_refused_at_parse_time(tmp_path):
+    from chatrl.cli import parse
+    from chatrl.step1_sft.main import build_parser
+
+    good = tmp_path / "d.jsonl"
+    good.write_text('{"prompt": "a", "chosen": "b"}\n')
+    args = parse(build_parser(), ["--model_name_or_path", "m", "--data_path", str(good) + "[0:1]",
+                                  "Dahoas/rm-static", "--output_dir", str(tmp_path / "o")])
+    assert args.data_path[1] == "Dahoas/rm-static"  # hub names are left to the data layer
+    with pytest.raises(SystemExit):
+        parse(build_parser(), ["--model_name_or_path", "m", "--data_path", "nope.jsonl", "--output_dir", "o"])
+
+
+def test_demo_plan_uses_each_data_set_once_per_step(tmp_path):
+    _, _, flags = train.demo_plan(tmp_path)
+    for step, args in flags.items():
+        start = args.index("--data_path") + 1
+        end = next(i for i in range(start, len(args)) if args[i].startswith("--"))
+        paths = args[start:end]
+        assert len(paths) == len(set(paths)), (step, paths)
+    assert any("alpaca" in p for p in flags[1]) and not any("alpaca" in p for p in flags[2])
