@@ -140,6 +140,16 @@ def shard_for_eval(n: int, rank: int, world: int) -> list[int]:
     return idx + [-1] * (per_rank - len(idx))
 
 
+def eval_batches(dataset, collate, batch_size: int, rank: int, world: int):
+    """Yield this rank's ``(batch, real)`` eval micro-batches (:func:`shard_for_eval`); ``real (B,)`` is
+    False on padding rows, which every metric must leave out."""
+    idx = shard_for_eval(len(dataset), rank, world)
+    for i in range(0, len(idx), batch_size):
+        chunk = idx[i:i + batch_size]
+        batch = collate([dataset[max(j, 0)] for j in chunk])
+        yield batch, torch.tensor([j >= 0 for j in chunk])
+
+
 @dataclass(frozen=True)
 class BatchSizes:
     """Every batch size of a run, derived and checked in one place.

@@ -44,21 +44,10 @@ def build_parser():
     return p
 
 
-def eval_batches(dataset, collate, batch_size: int, rank: int, world: int):
-    """Yield ``(batch, real)`` eval micro-batches; ``real (B,)`` is False on padding rows."""
-    from chatrl.dist import shard_for_eval
-
-    idx = shard_for_eval(len(dataset), rank, world)
-    for i in range(0, len(idx), batch_size):
-        chunk = idx[i:i + batch_size]
-        batch = collate([dataset[max(j, 0)] for j in chunk])
-        yield batch, torch.tensor([j >= 0 for j in chunk])
-
-
 @torch.no_grad()
 def evaluate(engine, dataset, collate, args, info) -> dict:
     """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks."""
-    from chatrl.dist import all_reduce_sum
+    from chatrl.dist import all_reduce_sum, eval_batches
     from chatrl.models import causal_lm_logits
     from chatrl.step1_sft.loss import IGNORE_INDEX, token_nll
 

@@ -36,7 +36,7 @@ import time
 import torch
 
 from chatrl import cli
-from chatrl.dist import shard_for_eval
+from chatrl.dist import eval_batches
 from chatrl.tracking import Tracker, setup_logging
 
 log = logging.getLogger("chatrl.step2")
@@ -79,14 +79,10 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
     engine.eval()
     keys = ("count", "correct", "chosen", "rejected", "margin", "loss")
     total = torch.zeros(len(keys), dtype=torch.float64)
-    idx = shard_for_eval(len(dataset), info.rank, info.world_size)
-    bs = args.per_device_eval_batch_size
-    for n_batch, i in enumerate(range(0, len(idx), bs)):
+    batches = eval_batches(dataset, collate, args.per_device_eval_batch_size, info.rank, info.world_size)
+    for n_batch, (batch, real) in enumerate(batches):
         if args.eval_iters and n_batch >= args.eval_iters:
             break
-        chunk = idx[i:i + bs]
-        batch = collate([dataset[max(j, 0)] for j in chunk])
-        real = torch.tensor([j >= 0 for j in chunk])
         _, scores = engine(batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device))
         chosen, rejected = split_pairs(scores.float().cpu())
         chosen, rejected = chosen[real], rejected[real]
