@@ -29,9 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from chatrl.cli import RUN_MARKER
+from chatrl.dist import free_port
+
 REPO = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
-RUN_MARKER = "chatrl_run.json"  # written last by each step (chatrl.cli.RUN_MARKER)
 
 SHORT_NAMES = {
     **{f"opt-{s}": f"facebook/opt-{s}" for s in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b")},
@@ -155,18 +157,10 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
                              "(pass --hostfile PATH with one 'host slots=N' line per node)")
         cmd += ["--hostfile", hostfile]
     if master_port is None and deployment != "multi_node":
-        master_port = _free_port()  # two jobs on one machine must not collide on the launcher's 29500
+        master_port = free_port()  # two jobs on one machine must not collide on the launcher's 29500
     if master_port:
         cmd += ["--master_port", str(master_port)]
     return cmd, env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_step(step: int, cmd: list[str], env: dict, log_path: Path) -> float:

@@ -32,7 +32,8 @@ def _prepare_accelerator_env() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +64,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
     _prepare_accelerator_env()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from chatrl.dist import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (torchrun's port 0 does not work with static rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(args: list[str], nprocs: int = 2, timeout: float = 300, env: dict | None = None,

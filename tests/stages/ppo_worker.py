@@ -79,7 +79,7 @@ def main():
             first.update({k: float(learned[k]) for k in ("ratio_mean", "clip_frac", "approx_kl")})
         else:
             learned = trainer.learn(exp)
-        stats = reduce_stats({**summarize(exp, settings.ppo_epochs, tok.eos_token_id), **learned})
+        stats = reduce_stats({**summarize(exp, trainer.kl_ctl.value, tok.eos_token_id), **learned})
         curve.append(stats["reward/score_mean"])
         kls.append(stats["kl"])
     if info.is_main:
