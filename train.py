@@ -13,7 +13,9 @@ steps hand off only through HF folders under ``--output-dir``:
     OUTPUT/step3_rlhf/actor/     the chat model; critic/ and (--enable_ema) actor_ema/ beside it
     OUTPUT/logs/stepN.log        each step's full log
 
-A step whose output already holds a finished run is skipped (``--overwrite`` redoes it). Per-step
+A step whose output already holds a finished run is skipped (``--overwrite`` redoes it); an
+unfinished one (a crash, a killed job) resumes from its newest checkpoint when the same command is
+run again. Steps write checkpoints every ``--save_interval`` steps (the presets set it). Per-step
 flags pass through with ``--step1-args "…"`` (and ``--step2-args``, ``--step3-args``); they come
 last, so they override the presets.
 """
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 from chatrl.cli import RUN_MARKER
-from chatrl.dist import free_port
+from chatrl.dist import free_port, list_checkpoints
 
 REPO = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
@@ -81,13 +83,15 @@ def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: in
     dtype = "bf16" if deployment != "cpu" else "fp32"
     step1 = ["--zero_stage", str(az), "--dtype", dtype, "--per_device_train_batch_size", str(mb),
              "--per_device_eval_batch_size", str(mb), "--learning_rate", "9.65e-6" if actor_b >= 1 else "1e-4",
-             "--num_train_epochs", "1" if big else "2", *lora, *ckpt, *(["--offload"] if offload else [])]
+             "--num_train_epochs", "1" if big else "2", "--save_interval", "200", *lora, *ckpt,
+             *(["--offload"] if offload else [])]
     step2 = ["--zero_stage", str(rz), "--dtype", dtype, "--per_device_train_batch_size", "4" if reward_b >= 1 else "8",
-             "--learning_rate", "5e-6" if reward_b >= 1 else "5e-5", "--num_train_epochs", "1",
+             "--learning_rate", "5e-6" if reward_b >= 1 else "5e-5", "--num_train_epochs", "1", "--save_interval", "200",
              *(["--gradient_checkpointing"] if reward_b >= 1.3 else [])]
     step3 = ["--actor_zero_stage", str(az), "--critic_zero_stage", str(rz), "--dtype", dtype,
              "--per_device_generation_batch_size", str(mb), "--per_device_training_batch_size", str(mb),
              "--enable_hybrid_engine", "--max_prompt_seq_len", "256", "--max_answer_seq_len", "256",
+             "--save_interval", "50",
              *(["--actor_lora_dim", "128", "--actor_lora_module_name", "layers."] if actor_b >= 1.3 else []),
              *(["--actor_gradient_checkpointing"] if actor_b >= 1.3 else []),
              *(["--offload_reference_model", "--offload"] if offload else [])]
@@ -106,14 +110,15 @@ def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
              "--zero_stage", "3",
              "--max_seq_len", "256", "--per_device_train_batch_size", "16", "--learning_rate", "2e-3",
              "--num_warmup_steps", "10", "--num_train_epochs", "2", "--eval_interval", "50",
-             "--eval_eos_samples", "32"]
+             "--eval_eos_samples", "32", "--save_interval", "25"]
     step2 = [*common, "--zero_stage", "3", "--max_seq_len", "256", "--per_device_train_batch_size", "8",
-             "--learning_rate", "2e-3", "--num_warmup_steps", "10", "--num_train_epochs", "1", "--eval_interval", "50"]
+             "--learning_rate", "2e-3", "--num_warmup_steps", "10", "--num_train_epochs", "1", "--eval_interval", "50",
+             "--save_interval", "25"]
     step3 = [*common, "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--enable_hybrid_engine",
              "--max_prompt_seq_len", "128", "--max_answer_seq_len", "48", "--per_device_generation_batch_size", "16",
              "--per_device_training_batch_size", "16", "--actor_learning_rate", "3e-4",
              "--critic_learning_rate", "1e-3", "--num_warmup_steps", "5", "--max_steps", "40",
-             "--init_kl_coef", "0.1", "--print_answers", "--print_answers_interval", "10"]
+             "--init_kl_coef", "0.1", "--print_answers", "--print_answers_interval", "10", "--save_interval", "10"]
     return model, model, {1: step1, 2: step2, 3: step3}
 
 
@@ -163,23 +168,27 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
     return cmd, env
 
 
-def run_step(step: int, cmd: list[str], env: dict, log_path: Path) -> float:
-    """Run one step, streaming its output to the terminal and ``log_path``; returns seconds taken.
+def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path) -> float:
+    """Run one step, streaming its output to the terminal and ``log_path`` (appended: a resumed step
+    keeps the log of its earlier attempts); returns seconds taken.
 
     Raises:
-        SystemExit: the step failed; the message names the step and the log, after its last lines.
+        SystemExit: the step failed; the message names the step, the rank that failed first and
+            how, the last checkpoint to resume from, and the log, after the log's last lines.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tail: list[str] = []
-    with open(log_path, "w", encoding="utf-8") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
+    failures: list[str] = []
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}\n$ " + shlex.join(cmd) + "\n")
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tty, drawn = sys.stdout.isatty(), False
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line])[-40:]
+            failures += _failure_lines(line)
             if _PROGRESS.search(line):  # a tqdm update: redraw in place on a terminal, else leave it to the log
                 if tty:
                     print(f"\r  [step {step}] {line.strip()[:150]}", end="", flush=True)
@@ -190,9 +199,28 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path) -> float:
         code = proc.wait()
     if code != 0:
         sys.stderr.write("".join(tail))
-        raise SystemExit(f"train.py: step {step} ({STEP_NAMES[step]}) failed with exit code {code}; "
-                         f"full log: {log_path}")
+        ckpts = list_checkpoints(step_dir)
+        resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
+                  "no checkpoint was written (--save_interval): a rerun starts this step again")
+        why = "".join(f"\n  {f}" for f in dict.fromkeys(failures))
+        raise SystemExit(f"train.py: step {step} ({STEP_NAMES[step]}) failed with exit code {code}{why}\n"
+                         f"  {resume}\n  full log: {log_path}")
     return time.time() - t0
+
+
+_RANK_EXIT = re.compile(r"--local_rank=(\d+).*exits with return code = (-?\d+)")
+_RANK_FAILED = re.compile(r"^chatrl: rank \d+ failed .*")
+
+
+def _failure_lines(line: str) -> list[str]:
+    """What a step's output says about a failing rank: the launcher's exit line or chatrl's own report."""
+    m = _RANK_EXIT.search(line)
+    if m:
+        code = int(m.group(2))
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return [f"local rank {m.group(1)} {how}"]
+    m = _RANK_FAILED.search(line.strip())
+    return [m.group(0)[:300]] if m else []
 
 
 _PROGRESS = re.compile(r"\d+/\d+ \[[\d:<?]+.*(it/s|s/it)")
@@ -247,11 +275,15 @@ def main(argv: list[str] | None = None) -> None:
                 if not (dirs[need] / "config.json").exists():
                     raise SystemExit(f"step 3 needs step {need}'s output in {dirs[need]}; run --step {need} first")
         extra = shlex.split(getattr(a, f"step{s}_args"))
+        # An unfinished step continues from its newest checkpoint; --overwrite starts it afresh.
+        again = ["--overwrite_output_dir"] if a.overwrite else ["--resume"]
         step_cmd = [*cmd, "--module", STEP_MODULES[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
-                    *(["--overwrite_output_dir"] if a.overwrite else []), *extra]
+                    *again, *extra]
         log_path = out / "logs" / f"step{s}.log"
-        print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})", flush=True)
-        times[s] = run_step(s, step_cmd, env, log_path)
+        ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
+        print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})"
+              + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
+        times[s] = run_step(s, step_cmd, env, log_path, dirs[s])
         print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)

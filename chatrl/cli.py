@@ -134,6 +134,11 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume_from_checkpoint", default=None, help="continue from this checkpoint folder")
     g.add_argument("--stop_after_steps", type=int, default=0,
                    help="stop after N optimizer steps without the final save, as a crash would (resume tests)")
+    g.add_argument("--max_nonfinite_steps", type=int, default=10,
+                   help="steps with non-finite loss or gradients are skipped; stop (with a checkpoint) after "
+                        "this many in a row (0: never stop)")
+    g.add_argument("--debug_nonfinite_steps", type=int, nargs="*", default=[],
+                   help="make the loss NaN at these steps (tests the non-finite guard)")
 
 
 def resume_path(args) -> str | None:

@@ -237,11 +237,17 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """``deepspeed.initialize`` with chatrl's defaults; returns the engine.
 
     A model without an optimizer (frozen reference / reward) is wrapped for inference: ZeRO-3
-    partitions it, stages 0–2 just move it to the device.
+    partitions it, stages 0–2 just move it to the device. With an optimizer, a step whose gradients
+    are not finite is skipped at every ZeRO stage (counted in ``engine.skipped_steps``, schedule
+    held; see :mod:`chatrl.resilience`).
     """
     import deepspeed
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+    if optimizer is not None and not hasattr(engine.optimizer, "overflow"):
+        from chatrl.resilience import skip_nonfinite_steps
+
+        skip_nonfinite_steps(engine.optimizer)  # ZeRO 1-3 skip non-finite steps themselves; ZeRO-0 does not
     return engine
 
 
@@ -393,14 +399,15 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(engines: dict, output_dir: str | os.PathLike, step: int, state: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, write_extra=None) -> Path:
     """Write a resumable checkpoint of ``engines`` (name → DeepSpeed engine) at optimizer step ``step``.
 
     Every rank writes its ZeRO partitions and RNG state into ``OUTPUT/checkpoints/.tmp-step_N``;
     after a barrier rank 0 writes ``complete.json`` (``state``: counters, loader position…) and
     renames the folder to ``step_N`` in one atomic rename, then keeps only the newest ``keep``
     checkpoints. A crash at any point leaves earlier checkpoints intact and no ``step_N`` folder
-    without ``complete.json``. All ranks must call it.
+    without ``complete.json``. ``write_extra(folder)``, if given, runs on every rank before the
+    final barrier (per-rank files of the caller's own). All ranks must call it.
     """
     root = Path(output_dir) / CHECKPOINT_DIR
     tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
@@ -411,6 +418,8 @@ def save_checkpoint(engines: dict, output_dir: str | os.PathLike, step: int, sta
     for name, engine in engines.items():
         engine.save_checkpoint(str(tmp / name), tag="state", save_latest=False)
     torch.save(_rng_state(), tmp / f"rng_rank{get_rank()}.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     barrier()
     if is_main():
         (tmp / COMPLETE).write_text(json.dumps({"step": step, **state}, default=str))

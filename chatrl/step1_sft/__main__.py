@@ -1,3 +1,5 @@
+from chatrl.resilience import report_failure
 from chatrl.step1_sft.main import main
 
-main()
+with report_failure():
+    main()

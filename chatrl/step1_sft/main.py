@@ -120,8 +120,10 @@ def run(argv: list[str] | None = None) -> dict:
         load_tokenizer,
         optimizer_param_groups,
     )
+    from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, set_progress
     from chatrl.step1_sft.loss import token_nll
 
+    set_progress("step 1 (SFT)")
     info = dist.init_distributed()
     setup_logging(info.rank)
     cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
@@ -167,10 +169,12 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
-    step, resume, metrics = 0, cli.resume_path(args), {}
-    if resume:
-        step = dist.load_checkpoint({"model": engine}, resume)["step"]
-        tracker.write(f"resumed from {resume} at optimizer step {step}")
+    ckpt = LoopCheckpoints(args, {"model": engine})
+    guard = NonFiniteGuard({"model": engine}, args.max_nonfinite_steps)
+    step, resumed, metrics = 0, ckpt.resume(), {}
+    if resumed:
+        step = resumed["step"]
+        tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
         metrics = evaluate(engine, data.eval, collate, args, info)
         tracker.log(metrics, step=0)
@@ -194,14 +198,23 @@ def run(argv: list[str] | None = None) -> dict:
             for m in micro:
                 logits = causal_lm_logits(engine, m["input_ids"], m["attention_mask"])
                 nll, _ = token_nll(logits, m["labels"])
+                if step + 1 in args.debug_nonfinite_steps:
+                    nll = nll * float("nan")
                 engine.backward(nll * (scale_base / max(n_global, 1.0)))
                 engine.step()
                 step_nll += nll.item()
             step += 1
+            set_progress(optimizer_step=step)
             tracker.advance()
+            try:
+                guard.after_step(step)
+            except NonFiniteError:
+                ckpt.save(step, {"epoch": step // steps_per_epoch, "stopped": "non-finite"})
+                raise
             if step % args.log_interval == 0 or step == total_steps:
                 loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
                 tracker.log({"train/loss": loss, "train/lr": scheduler.get_last_lr()[0],
+                             "train/skipped_steps": guard.skipped,
                              "train/tokens": n_global, "train/samples_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
@@ -209,9 +222,8 @@ def run(argv: list[str] | None = None) -> dict:
                 metrics = evaluate(engine, data.eval, collate, args, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-            if args.save_interval and step % args.save_interval == 0 and step < total_steps:
-                dist.save_checkpoint({"model": engine}, args.output_dir, step, {"epoch": step // steps_per_epoch},
-                                     keep=args.save_total_limit)
+            if ckpt.due(step, total_steps):
+                ckpt.save(step, {"epoch": step // steps_per_epoch})
             if step >= total_steps or step == args.stop_after_steps:
                 break
         if step == args.stop_after_steps:

@@ -50,6 +50,7 @@ def build_parser():
     cli.add_optim_args(p, lr=5e-5)
     cli.add_dist_args(p)
     cli.add_log_args(p)
+    cli.add_checkpoint_args(p)
     g = p.add_argument_group("step 2")
     g.add_argument("--eval_iters", type=int, default=0, help="cap on eval batches per rank (0: whole eval split)")
     g.add_argument("--num_padding_at_beginning", type=int, default=None,
@@ -116,8 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
         load_tokenizer,
         optimizer_param_groups,
     )
+    from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, set_progress
     from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
 
+    set_progress("step 2 (reward model)")
     info = dist.init_distributed()
     setup_logging(info.rank)
     cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
@@ -134,8 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=True, seed=args.seed)
+    # A private generator: creating an iterator must not draw from the global RNG (exact resume).
     loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_train_batch_size,
-                                         sampler=sampler, collate_fn=collate)
+                                         sampler=sampler, collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(args.seed))
 
     model = load_reward_model(args.model_name_or_path, tokenizer, dtype=args.dtype, require_head=False,
                               dropout=dropout, trust_remote_code=args.trust_remote_code)
@@ -165,17 +170,28 @@ def main(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
-    metrics = evaluate(engine, data.eval, collate, args, info)
-    initial = dict(metrics)
-    tracker.log(metrics, step=0)
-    tracker.write(f"eval before training: {describe_eval(metrics)}")
-    tracker.bar(total_steps, "step 2 reward model")
+    ckpt = LoopCheckpoints(args, {"model": engine})
+    guard = NonFiniteGuard({"model": engine}, args.max_nonfinite_steps)
+    step, resumed = 0, ckpt.resume()
+    if resumed:
+        step, initial = resumed["step"], resumed["initial_metrics"]
+        metrics = dict(initial)
+        tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
+    else:
+        metrics = evaluate(engine, data.eval, collate, args, info)
+        initial = dict(metrics)
+        tracker.log(metrics, step=0)
+        tracker.write(f"eval before training: {describe_eval(metrics)}")
+    tracker.bar(total_steps, "step 2 reward model", initial=step)
 
-    step, t0 = 0, time.time()
+    engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
+    t0, first_step = time.time(), step
     while step < total_steps:
         sampler.set_epoch(step // steps_per_epoch)
         it = iter(loader)
-        for _ in range(steps_per_epoch):
+        for _ in range(step % steps_per_epoch * batch.gradient_accumulation_steps):  # resume mid-epoch
+            next(it)
+        for _ in range(steps_per_epoch - step % steps_per_epoch):
             stats = torch.zeros(3, dtype=torch.float64)  # loss sum over micro-batches, correct, pairs
             for _ in range(batch.gradient_accumulation_steps):
                 m = next(it)
@@ -183,24 +199,40 @@ def main(argv: list[str] | None = None) -> dict:
                 chosen, rejected = split_pairs(scores)
                 margin = m.get("margin")
                 loss = pairwise_loss(chosen, rejected, None if margin is None else margin.to(info.device))
+                if step + 1 in args.debug_nonfinite_steps:
+                    loss = loss * float("nan")
                 engine.backward(loss)
                 engine.step()
                 stats += torch.tensor([loss.item(), (chosen > rejected).sum().item(), chosen.numel()],
                                       dtype=torch.float64)
             step += 1
+            set_progress(optimizer_step=step)
             tracker.advance()
+            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial}
+            try:
+                guard.after_step(step)
+            except NonFiniteError:
+                ckpt.save(step, {**state, "stopped": "non-finite"})
+                raise
             if step % args.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
                 tracker.log({"train/loss": loss_sum / (batch.gradient_accumulation_steps * info.world_size),
                              "train/accuracy": correct / pairs, "train/lr": scheduler.get_last_lr()[0],
-                             "train/pairs_per_s": step * batch.global_batch / (time.time() - t0)}, step)
+                             "train/skipped_steps": guard.skipped, "train/pairs_per_s":
+                             (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
             if (args.eval_interval and step % args.eval_interval == 0) or epoch_end or step == total_steps:
                 metrics = evaluate(engine, data.eval, collate, args, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe_eval(metrics)}")
-            if step >= total_steps:
+            if ckpt.due(step, total_steps):
+                ckpt.save(step, state)
+            if step >= total_steps or step == args.stop_after_steps:
                 break
+        if step == args.stop_after_steps:
+            tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
+            tracker.close()
+            return metrics
 
     tracker.close()
     save_reward_model(engine.module, tokenizer, args.output_dir)

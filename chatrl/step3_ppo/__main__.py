@@ -1,3 +1,5 @@
+from chatrl.resilience import report_failure
 from chatrl.step3_ppo.main import main
 
-main()
+with report_failure():
+    main()

@@ -94,6 +94,7 @@ def build_parser():
     g.add_argument("--unpin_actor_parameters", action="store_true", help="accepted for DeepSpeed-Chat compatibility")
     g.add_argument("--local_rank", type=int, default=-1)
     cli.add_log_args(p)
+    cli.add_checkpoint_args(p)
     g = p.add_argument_group("step 3 logging")
     g.add_argument("--print_answers", action="store_true", help="print a prompt and its answer every interval")
     g.add_argument("--print_answers_interval", type=int, default=10)
@@ -133,11 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl import dist
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
     from chatrl.models import load_tokenizer
+    from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
     from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
     from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
 
+    set_progress("step 3 (PPO)")
     info = dist.init_distributed()
     setup_logging(info.rank)
     cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
@@ -151,8 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
                             max_prompt_len=args.max_prompt_seq_len, seed=args.seed, cache_dir=args.data_output_path)
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=True, seed=args.seed)
+    # Private generators: creating an iterator must not draw from the global RNG (exact resume).
     loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_generation_batch_size, sampler=sampler,
-                                         collate_fn=PromptCollator(tokenizer.pad_token_id), drop_last=True)
+                                         collate_fn=PromptCollator(tokenizer.pad_token_id), drop_last=True,
+                                         generator=torch.Generator().manual_seed(args.seed))
     steps_per_epoch = len(loader) // args.generation_batches
     if steps_per_epoch == 0:
         raise ValueError(f"{len(data.train)} step-3 prompts give no experience buffer of "
@@ -173,8 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
         ptx_loader = torch.utils.data.DataLoader(
             unsup.train, batch_size=args.per_device_training_batch_size, drop_last=True,
             sampler=torch.utils.data.DistributedSampler(unsup.train, info.world_size, info.rank, seed=args.seed),
-            collate_fn=SFTCollator(tokenizer.pad_token_id, mask_prompt=False))
-        ptx_iter = _cycle(ptx_loader, info.device)
+            collate_fn=SFTCollator(tokenizer.pad_token_id, mask_prompt=False),
+            generator=torch.Generator().manual_seed(args.seed))
+        ptx_iter = Cycle(ptx_loader, info.device)
 
     engines = build_engines(args, tokenizer, info, total_opt_steps)
     hybrid, generate = make_generate(engines.actor, args, tokenizer)
@@ -185,10 +191,13 @@ def main(argv: list[str] | None = None) -> dict:
                            args.penalty_no_eos, args.unsup_coef, args.ema_beta)
     reward_engine = engines.reward
 
+    step = 0
+
     @torch.no_grad()
     def score_fn(seq, mask, prompt_len):
         mb = args.per_device_training_batch_size
-        return torch.cat([reward_engine(seq[i:i + mb], mask[i:i + mb]).end_scores for i in range(0, len(seq), mb)])
+        scores = torch.cat([reward_engine(seq[i:i + mb], mask[i:i + mb]).end_scores for i in range(0, len(seq), mb)])
+        return scores * float("nan") if step + 1 in args.debug_nonfinite_steps else scores
 
     trainer = PPOTrainer(engines.actor, engines.critic, engines.reference, score_fn, generate, kl_ctl, settings,
                          tokenizer.eos_token_id, tokenizer.pad_token_id, ema=engines.ema,
@@ -199,12 +208,31 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{args.generation_batches}×{args.per_device_generation_batch_size} rollouts per rank × "
                   f"{info.world_size} ranks, {args.ppo_epochs} PPO epoch(s); actor ZeRO-{args.actor_zero_stage}, "
                   f"critic ZeRO-{args.critic_zero_stage}, hybrid engine {'on' if args.enable_hybrid_engine else 'off'}")
-    tracker.bar(total_buffers, "step 3 PPO")
-    step, t_start, metrics = 0, time.time(), {}
+    trained = {"actor": engines.actor, "critic": engines.critic}
+    ckpt = LoopCheckpoints(args, trained, {"actor_ema": engines.ema.module} if engines.ema is not None else None)
+    guard = NonFiniteGuard(trained, args.max_nonfinite_steps)
+    resumed, samples = ckpt.resume(), 0
+
+    def state() -> dict:
+        return {"epoch": step // steps_per_epoch, "kl_ctl": kl_ctl.state_dict(), "samples": samples,
+                "ptx_batches": ptx_iter.consumed if ptx_iter is not None else 0}
+
+    if resumed:
+        step, samples = resumed["step"], resumed["samples"]
+        kl_ctl.load_state_dict(resumed["kl_ctl"])
+        if ptx_iter is not None:
+            ptx_iter.skip(resumed["ptx_batches"])
+        hybrid.mark_weights_stale()
+        tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
+                      f"KL coefficient {kl_ctl.value:.4g})")
+    tracker.bar(total_buffers, "step 3 PPO", initial=step)
+    t_start, metrics = time.time(), {}
     while step < total_buffers:
         sampler.set_epoch(step // steps_per_epoch)
         it = iter(loader)
-        for _ in range(steps_per_epoch):
+        for _ in range(step % steps_per_epoch * args.generation_batches):  # resume mid-epoch
+            next(it)
+        for _ in range(steps_per_epoch - step % steps_per_epoch):
             t0 = time.time()
             stats: dict = {}
             for _ in range(args.generation_batches):
@@ -217,9 +245,19 @@ def main(argv: list[str] | None = None) -> dict:
                              **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / args.generation_batches
             step += 1
+            set_progress(optimizer_step=step)
             rollouts = args.generation_batches * args.per_device_generation_batch_size * info.world_size
+            samples += rollouts
             metrics = reduce_stats(stats)
-            kl_ctl.update(metrics["kl"], rollouts)
+            try:
+                skipped = guard.after_step(step)
+            except NonFiniteError:
+                ckpt.save(step, {**state(), "stopped": "non-finite"})
+                raise
+            if not skipped:  # a skipped (non-finite) step tells the KL controller nothing
+                kl_ctl.update(metrics["kl"], rollouts)
+            metrics["skipped_steps"] = guard.skipped
+            metrics["samples"] = samples
             metrics["samples_per_s"] = rollouts / (time.time() - t0)
             metrics["elapsed_min"] = (time.time() - t_start) / 60
             if step % args.log_interval == 0 or step == total_buffers:
@@ -232,8 +270,14 @@ def main(argv: list[str] | None = None) -> dict:
                 prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
                 tracker.write(f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}"
                               f"[{tokenizer.decode(a, skip_special_tokens=True)}]")
-            if step >= total_buffers:
+            if ckpt.due(step, total_buffers):
+                ckpt.save(step, state())
+            if step >= total_buffers or step == args.stop_after_steps:
                 break
+        if step == args.stop_after_steps:
+            tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
+            tracker.close()
+            return metrics
     tracker.close()
     hybrid.exit_inference()
     out = args.output_dir
@@ -246,13 +290,39 @@ def main(argv: list[str] | None = None) -> dict:
     return metrics
 
 
-def _cycle(loader, device):
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        for batch in loader:
-            yield {k: v.to(device) for k, v in batch.items()}
-        epoch += 1
+class Cycle:
+    """Endless batches of ``loader`` (a DistributedSampler's), epoch after epoch, on ``device``.
+
+    ``consumed`` counts the batches handed out; a resumed run calls :meth:`skip` with it to
+    continue where the checkpoint was taken.
+    """
+
+    def __init__(self, loader, device):
+        self.loader, self.device, self.consumed = loader, device, 0
+        self._it, self._epoch = None, 0
+
+    def __iter__(self):
+        return self
+
+    def _next_raw(self) -> dict:
+        while True:
+            if self._it is None:
+                self.loader.sampler.set_epoch(self._epoch)
+                self._it = iter(self.loader)
+            try:
+                batch = next(self._it)
+                self.consumed += 1
+                return batch
+            except StopIteration:
+                self._it, self._epoch = None, self._epoch + 1
+
+    def __next__(self) -> dict:
+        return {k: v.to(self.device) for k, v in self._next_raw().items()}
+
+    def skip(self, n: int) -> None:
+        """Hand out (and drop) ``n`` batches."""
+        for _ in range(n):
+            self._next_raw()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
-"""Step 1 resumes exactly: a run stopped after checkpoint k and resumed gives the same losses as an
-uninterrupted run, and a half-written checkpoint is skipped."""
+"""Every step resumes exactly: a run stopped after checkpoint k and resumed logs the same losses as an
+uninterrupted run (same seed, fp32, 2 ranks) to 1e-6, and a half-written checkpoint is skipped.
+
+Each test runs the step three times: straight through, stopped with ``--stop_after_steps`` (as a
+crash would stop it: no final save), then ``--resume`` in the same output folder.
+"""
 
 import json
 import shutil
@@ -10,30 +14,84 @@ from tests.conftest import DATA, STORIES
 from tests.launch import run_ranks
 
 
-def _run(tmp_path, out, *extra):
-    run_ranks(["-m", "chatrl.step1_sft", "--model_name_or_path", str(STORIES), "--data_path",
-               str(DATA / "hh-rlhf" / "helpful-base[0:400]"), "--data_split", "10,0,0", "--max_seq_len", "128",
-               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "6",
-               "--eval_iters", "1", "--zero_stage", "3", "--learning_rate", "3e-3", "--dropout", "0.1",
-               "--save_interval", "2", "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(out),
-               "--disable_progress_bar", *extra], timeout=400)
+def _losses(out, keys):
+    """Per logged step, the values of ``keys`` (a resumed run's rows replace the stopped run's)."""
     rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return {r["step"]: {k: r[k] for k in keys} for r in rows if keys[0] in r}
+
+
+def _straight_stopped_resumed(tmp_path, flags, keys, stop, ckpts, cut_off=None):
+    straight = tmp_path / "straight"
+    run_ranks([*flags, "--output_dir", str(straight)], timeout=400)
+    out = tmp_path / "resumed"
+    run_ranks([*flags, "--output_dir", str(out), "--stop_after_steps", str(stop)], timeout=400)
+    assert sorted(_losses(out, keys)) == list(range(1, stop + 1))
+    assert not (out / "chatrl_run.json").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpts
+    if cut_off:  # a checkpoint cut off mid-write (no completion marker) must be skipped
+        shutil.copytree(out / "checkpoints" / ckpts[-1], out / "checkpoints" / cut_off)
+        (out / "checkpoints" / cut_off / "complete.json").unlink()
+    proc = run_ranks([*flags, "--output_dir", str(out), "--resume"], timeout=400)
+    assert "skipping incomplete checkpoint" in proc.stdout + proc.stderr or not cut_off
+    assert (out / "chatrl_run.json").exists()
+    return _losses(straight, keys), _losses(out, keys), straight, out
+
+
+def _supervised_flags(module, rows, split, max_steps, tmp_path):
+    """Steps 1 and 2 alike: stories260K, ZeRO-3, 2 ranks × batch 4 × accumulation 2, dropout 0.1, a checkpoint every 2."""
+    return ["-m", module, "--model_name_or_path", str(STORIES), "--data_path",
+            str(DATA / "hh-rlhf" / f"helpful-base[0:{rows}]"), "--data_split", split, "--max_seq_len", "128",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", str(max_steps),
+            "--eval_iters", "1", "--zero_stage", "3", "--learning_rate", "3e-3", "--dropout", "0.1",
+            "--save_interval", "2", "--data_output_path", str(tmp_path / "cache"), "--disable_progress_bar"]
 
 
 @pytest.mark.slow
 def test_step1_resume_follows_the_uninterrupted_trajectory(tmp_path):
-    straight = _run(tmp_path, tmp_path / "straight")
-    out = tmp_path / "resumed"
-    first = _run(tmp_path, out, "--stop_after_steps", "5")  # "crashes" after step 5; checkpoint at step 4
-    assert sorted(first) == [1, 2, 3, 4, 5]
-    assert not (out / "chatrl_run.json").exists()
-    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert ckpts == ["step_2", "step_4"]
-    # a checkpoint cut off mid-write (no completion marker) must be skipped
-    shutil.copytree(out / "checkpoints" / "step_4", out / "checkpoints" / "step_5")
-    (out / "checkpoints" / "step_5" / "complete.json").unlink()
-    resumed = _run(tmp_path, out, "--resume")
+    flags = _supervised_flags("chatrl.step1_sft", 400, "10,0,0", 6, tmp_path)
+    straight, resumed, *_ = _straight_stopped_resumed(tmp_path, flags, ["train/loss"], 5, ["step_2", "step_4"],
+                                                      cut_off="step_5")
     for step in (5, 6):
-        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), (step, resumed, straight)
-    assert (out / "chatrl_run.json").exists()
+        assert resumed[step]["train/loss"] == pytest.approx(straight[step]["train/loss"], abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_step2_resume_follows_the_uninterrupted_trajectory(tmp_path):
+    flags = [*_supervised_flags("chatrl.step2_reward", 300, "0,10,0", 5, tmp_path), "--save_total_limit", "1"]
+    keys = ["train/loss", "train/accuracy", "train/lr"]
+    straight, resumed, *_ = _straight_stopped_resumed(tmp_path, flags, keys, 3, ["step_2"])
+    for step in (3, 4, 5):
+        for k in keys:
+            assert resumed[step][k] == pytest.approx(straight[step][k], abs=1e-6), (step, k)
+
+
+@pytest.mark.slow
+def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path):
+    from safetensors.torch import load_file
+
+    from chatrl.models import load_tokenizer
+    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+
+    tok = load_tokenizer(str(STORIES))
+    save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "critic")
+    flags = ["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", str(STORIES),
+             "--critic_model_name_or_path", str(tmp_path / "critic"), "--data_path", str(DATA / "prompts"),
+             "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "32",
+             "--max_answer_seq_len", "12", "--per_device_generation_batch_size", "4",
+             "--per_device_training_batch_size", "2", "--max_steps", "4", "--actor_zero_stage", "3",
+             "--critic_zero_stage", "2", "--enable_hybrid_engine", "--actor_lora_dim", "4",
+             "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--num_warmup_steps", "0",
+             "--enable_ema", "--unsupervised_dataset_name", str(DATA / "alpaca-instructions[0:64]"),
+             "--unsup_coef", "0.5", "--kl_ctl", "adaptive", "--kl_target", "0.01", "--kl_horizon", "100",
+             "--save_interval", "2", "--disable_progress_bar"]
+    keys = ["actor_loss", "critic_loss", "ptx_loss", "reward/score_mean", "kl", "kl_coef", "samples"]
+    straight, resumed, s_dir, r_dir = _straight_stopped_resumed(tmp_path, flags, keys, 3, ["step_2"])
+    state = json.loads((r_dir / "checkpoints" / "step_2" / "complete.json").read_text())
+    assert state["samples"] == 16 and state["ptx_batches"] == 4 and state["kl_ctl"]["kind"] == "adaptive"
+    assert straight[4]["kl_coef"] != straight[1]["kl_coef"]  # the controller moved: its state matters
+    for step in (3, 4):
+        for k in keys:
+            assert resumed[step][k] == pytest.approx(straight[step][k], abs=1e-6), (step, k)
+    for sub in ("actor", "actor_ema", "critic"):
+        a, b = load_file(s_dir / sub / "model.safetensors"), load_file(r_dir / sub / "model.safetensors")
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, sub
