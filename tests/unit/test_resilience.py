@@ -1,0 +1,77 @@
+"""Unit checks of the shared fault logic: the non-finite guard's counting, the ZeRO-0 step guard, the
+checkpoint schedule, and the PTX batch cycle's resume position."""
+
+import types
+
+import pytest
+import torch
+
+from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, skip_nonfinite_steps
+from chatrl.step3_ppo.main import Cycle
+
+
+def test_guard_counts_skipped_optimizer_steps_and_stops_after_k_in_a_row():
+    actor, critic = types.SimpleNamespace(skipped_steps=0), types.SimpleNamespace(skipped_steps=0)
+    guard = NonFiniteGuard({"actor": actor, "critic": critic}, max_in_a_row=3)
+    assert guard.after_step(1) is False
+    actor.skipped_steps, critic.skipped_steps = 2, 1  # one bad buffer: 3 optimizer steps skipped
+    assert guard.after_step(2) is True and guard.skipped == 3 and guard.in_a_row == 1
+    assert guard.after_step(3) is False and guard.in_a_row == 0  # a good step resets the run
+    actor.skipped_steps += 1
+    guard.after_step(4)
+    actor.skipped_steps += 1
+    guard.after_step(5)
+    actor.skipped_steps += 1
+    with pytest.raises(NonFiniteError, match=r"3 training steps in a row \(up to step 6\).*--max_nonfinite_steps 3"):
+        guard.after_step(6)
+    assert guard.skipped == 6
+
+
+def test_guard_with_zero_limit_never_stops():
+    e = types.SimpleNamespace(skipped_steps=0)
+    guard = NonFiniteGuard({"m": e}, max_in_a_row=0)
+    for step in range(1, 20):
+        e.skipped_steps += 1
+        assert guard.after_step(step)
+    assert guard.skipped == 19
+
+
+def test_plain_optimizer_skips_a_nonfinite_step_and_keeps_its_state():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = skip_nonfinite_steps(torch.optim.Adam([w], lr=0.1))
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    assert opt.overflow is False
+    after_good, state = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+    w.grad = torch.tensor([float("nan"), 1.0])
+    opt.step()
+    assert opt.overflow is True and w.grad is None
+    assert torch.equal(w.detach(), after_good)
+    assert all(torch.equal(opt.state[w][k], v) for k, v in state.items())
+    w.grad = torch.tensor([float("inf"), 0.0])
+    opt.step()
+    assert opt.overflow is True and torch.equal(w.detach(), after_good)
+
+
+@pytest.mark.parametrize("interval,total,due", [(2, 7, [2, 4, 6]), (3, 6, [3]), (0, 5, [])])
+def test_checkpoint_is_due_every_interval_but_not_after_the_last_step(interval, total, due):
+    ckpt = LoopCheckpoints(types.SimpleNamespace(save_interval=interval), {})
+    assert [s for s in range(1, total + 1) if ckpt.due(s, total)] == due
+
+
+def test_cycle_skip_resumes_at_the_same_batch_across_epochs():
+    data = list(range(10))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+
+    def loader():
+        return torch.utils.data.DataLoader(data, batch_size=3, sampler=sampler, drop_last=True,
+                                           collate_fn=lambda b: {"x": torch.tensor(b)},
+                                           generator=torch.Generator().manual_seed(3))
+
+    straight = Cycle(loader(), "cpu")
+    seen = [next(straight)["x"].tolist() for _ in range(8)]  # 3 batches per epoch: crosses two epoch ends
+    assert seen[0] != seen[3]  # each epoch is shuffled anew
+    resumed = Cycle(loader(), "cpu")
+    resumed.skip(5)
+    assert resumed.consumed == 5
+    assert [next(resumed)["x"].tolist() for _ in range(3)] == seen[5:]
