@@ -44,6 +44,10 @@ def _args(argv=None):
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--modes", default="plain,engine_tp1,engine_tp2")
     ap.add_argument("--gather-group", type=int, default=8, help="--tp_gather_partition_size")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="training dtype of the actor (the inference copy and plain generation use it too)")
+    ap.add_argument("--keep-copy", action="store_true",
+                    help="--release_inference_cache off: exit keeps the copy (the flag's default)")
     return ap.parse_args(argv)
 
 
@@ -79,9 +83,9 @@ def _worker(argv) -> None:
                     num_attention_heads=args.heads, ffn_dim=4 * args.hidden, word_embed_proj_dim=args.hidden,
                     max_position_embeddings=max(2048, args.prompt_tokens + args.new_tokens),
                     do_layer_norm_before=True, dropout=0.0, pad_token_id=1, eos_token_id=2, bos_token_id=2)
-    model = OPTForCausalLM(cfg)
+    model = OPTForCausalLM(cfg).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
-    config = cdist.deepspeed_config(cdist.BatchSizes(args.batch, 1, info.world_size), zero_stage=3)
+    config = cdist.deepspeed_config(cdist.BatchSizes(args.batch, 1, info.world_size), zero_stage=3, dtype=args.dtype)
     engine = cdist.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-5))
     gen = torch.Generator().manual_seed(1 + info.rank)
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt_tokens), generator=gen)
@@ -91,12 +95,13 @@ def _worker(argv) -> None:
     out: dict = {"setup": {"model": "opt", "params": n_params, "hidden": args.hidden, "layers": args.layers,
                            "vocab": args.vocab, "ranks": info.world_size, "zero_stage": 3,
                            "batch_per_rank": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": n,
-                           "dtype": "fp32", "threads_per_rank": None}}
+                           "dtype": args.dtype, "release_inference_cache": not args.keep_copy,
+                           "threads_per_rank": None}}
     seqs = {}
     for mode in args.modes.split(","):
         he = (HybridEngine(engine, enable=False) if mode == "plain"
               else HybridEngine(engine, inference_tp_size=int(mode[-1]), tp_gather_partition_size=args.gather_group,
-                                release_inference_cache=True))
+                                release_inference_cache=not args.keep_copy))
         out["setup"]["threads_per_rank"] = he.threads_per_rank
         cdist.barrier()
         t0 = time.perf_counter()

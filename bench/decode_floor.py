@@ -1,0 +1,85 @@
+"""Benchmark: how close one decoding step of the hybrid engine comes to this CPU's floor.
+
+A decode step must read every weight matrix once (the decoder layers and the LM head) and the KV
+cache of every layer. This script times, on one thread, (1) a decode step of the engine's loop
+(``chatrl.hybrid_engine.decode``) on the reference model of ``bench/hybrid_engine.py`` (OPT hidden
+512, 8 layers, vocab 50272, fp32, 8 rows, 128-token prompts), and (2) the same step's pieces run
+bare: the 48 layer matmuls over distinct weights, the LM-head matmul and the attention over a
+half-full cache. The sum of (2) is the floor of (1) for this arithmetic; the prefill is timed too.
+
+    .venv/bin/python bench/decode_floor.py
+
+It prints one JSON object (milliseconds per step, the ratio of step to floor, and the best
+possible engine ratio to plain ZeRO-3 generation for a given plain time, ``--plain-seconds``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def _ms(fn, n: int = 10) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--plain-seconds", type=float, default=None,
+                    help="plain ZeRO-3 generation time of bench/hybrid_engine.py in the same conditions")
+    args = ap.parse_args(argv)
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from chatrl.hybrid_engine.decode import GenerationSettings, GroupBatch, TPGroup, decode
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=50272, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, ffn_dim=2048,
+                    word_embed_proj_dim=512, max_position_embeddings=2048, dropout=0.0)
+    model = OPTForCausalLM(cfg).eval()
+    rows, p, n = args.rows, args.prompt_tokens, args.new_tokens
+    ids = torch.randint(3, cfg.vocab_size, (rows, p))
+    batch = GroupBatch(ids, torch.ones_like(ids), 0, rows, 0, (rows,))
+
+    def run(new):
+        s = GenerationSettings(max_new_tokens=new, min_new_tokens=new, eos_token_ids=(2,), pad_token_id=1)
+        return decode(model, batch, s, TPGroup())
+
+    with torch.inference_mode():
+        prefill = _ms(lambda: run(1), n=3)
+        total = _ms(lambda: run(n), n=1)
+        step = (total - prefill) / (n - 1)
+        lin = [m for m in model.model.decoder.layers.modules() if isinstance(m, torch.nn.Linear)]
+        inputs = {m: torch.randn(rows, m.in_features) for m in lin}
+        layers = _ms(lambda: [m(inputs[m]) for m in lin])
+        hidden = torch.randn(rows, cfg.hidden_size)
+        head = _ms(lambda: torch.mm(model.lm_head.weight, hidden.t()))
+        heads, d, kv = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, p + n // 2
+        q = torch.randn(rows, heads, 1, d)
+        caches = [(torch.randn(rows, heads, kv, d), torch.randn(rows, heads, kv, d)) for _ in range(cfg.num_hidden_layers)]
+        attention = _ms(lambda: [torch.nn.functional.scaled_dot_product_attention(q, k, v) for k, v in caches])
+    floor = layers + head + attention
+    out = {"setup": {"model": "opt", "hidden": 512, "layers": 8, "vocab": 50272, "dtype": "fp32", "rows": rows,
+                     "prompt_tokens": p, "new_tokens": n, "threads": 1},
+           "ms": {"prefill": round(prefill, 1), "decode_step": round(step, 2), "floor_step": round(floor, 2),
+                  "floor_layers": round(layers, 2), "floor_lm_head": round(head, 2),
+                  "floor_attention": round(attention, 2)},
+           "step_over_floor": round(step / floor, 3),
+           "best_engine_seconds": round((prefill + (n - 1) * floor) / 1e3, 2)}
+    if args.plain_seconds:
+        out["best_possible_ratio_to_plain"] = round(args.plain_seconds / out["best_engine_seconds"], 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
