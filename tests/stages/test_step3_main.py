@@ -1,7 +1,8 @@
 """The step-3 program end to end over 2 CPU ranks: LoRA actor under ZeRO-3 with the hybrid engine,
-EMA, PTX loss, the metrics log, and the three HF folders it saves."""
+EMA, PTX loss, the metrics log, a non-finite step skipped, and the three HF folders it saves."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -33,13 +34,18 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
                "--critic_zero_stage", "2", "--enable_hybrid_engine", "--actor_lora_dim", "4",
                "--actor_learning_rate", "1e-3", "--num_warmup_steps", "0", "--enable_ema",
                "--unsupervised_dataset_name", str(DATA / "alpaca-instructions[0:64]"), "--unsup_coef", "0.5",
-               "--print_answers", "--print_answers_interval", "1", "--output_dir", str(out),
+               "--print_answers", "--print_answers_interval", "1", "--debug_nonfinite_steps", "2",
+               "--output_dir", str(out),
                "--disable_progress_bar"], timeout=400)
     rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in METRICS:
         assert all(key in r for r in rows), key
     assert rows[0]["ratio_mean"] == 1.0 and rows[0]["kl"] == 0.0
+    # step 2's scores were made NaN: its PPO actor step and critic step were skipped (its PTX step, on
+    # finite text, was not), and no step after it
+    assert [r["skipped_steps"] for r in rows] == [0, 2, 2]
+    assert all(math.isfinite(rows[2][k]) for k in ("actor_loss", "critic_loss", "ptx_loss"))
     assert (out / "chatrl_run.json").exists()
     ids = torch.tensor([tok("Once upon a time").input_ids])
     actor = AutoModelForCausalLM.from_pretrained(out / "actor")
