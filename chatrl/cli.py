@@ -48,6 +48,13 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
             path = entry.split("[", 1)[0] if entry.endswith("]") else entry
             if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
                 parser.error(f"--{flag} {entry}: no such file or folder")
+    if getattr(args, "save_total_limit", 1) < 1:
+        parser.error(f"--save_total_limit must be >= 1 (the newest checkpoint is always kept), got {args.save_total_limit}")
+    if getattr(args, "save_interval", 0) < 0:
+        parser.error(f"--save_interval must be >= 0 (0: no checkpoints), got {args.save_interval}")
+    resume_from = getattr(args, "resume_from_checkpoint", None)
+    if resume_from and not os.path.isfile(os.path.join(resume_from, "complete.json")):
+        parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no complete.json)")
     return args
 
 

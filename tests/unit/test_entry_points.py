@@ -103,3 +103,23 @@ def test_demo_plan_uses_each_data_set_once_per_step(tmp_path):
         paths = args[start:end]
         assert len(paths) == len(set(paths)), (step, paths)
     assert any("alpaca" in p for p in flags[1]) and not any("alpaca" in p for p in flags[2])
+
+
+@pytest.mark.parametrize("module", ["chatrl.step1_sft.main", "chatrl.step2_reward.main", "chatrl.step3_ppo.main"])
+def test_checkpoint_flags_are_checked_at_parse_time(tmp_path, module, capsys):
+    import importlib
+
+    from chatrl.cli import parse
+
+    build = importlib.import_module(module).build_parser
+    base = (["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c"] if "step3" in module
+            else ["--model_name_or_path", "m"])
+    base += ["--data_path", "Dahoas/rm-static", "--output_dir", str(tmp_path / "o")]
+    args = parse(build(), [*base, "--save_interval", "5", "--resume"])
+    assert args.save_interval == 5 and args.resume and args.save_total_limit == 2 and args.max_nonfinite_steps == 10
+    for bad, says in [(["--save_total_limit", "0"], "--save_total_limit must be >= 1"),
+                      (["--save_interval", "-1"], "--save_interval must be >= 0"),
+                      (["--resume_from_checkpoint", str(tmp_path)], "not a complete chatrl checkpoint")]:
+        with pytest.raises(SystemExit):
+            parse(build(), [*base, *bad])
+        assert says in capsys.readouterr().err
