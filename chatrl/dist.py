@@ -445,8 +445,44 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+#: DeepSpeed's own classes inside its engine checkpoints, allowed by the weights-only unpickler.
+_DS_CHECKPOINT_CLASSES = (("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                          ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                          ("deepspeed.utils.tensor_fragment", "fragment_address"))
+
+
+@contextlib.contextmanager
+def _weights_only_loads(engine):
+    """Make ``engine``'s checkpoint reads use ``torch.load(weights_only=True)``.
+
+    DeepSpeed's torch checkpoint engine unpickles with ``weights_only=False`` (any code in a
+    file runs). Its engine checkpoints hold tensors, plain containers and three DeepSpeed data
+    classes, which are allowed here and nothing else.
+    """
+    import importlib
+
+    ckpt_engine = getattr(engine, "checkpoint_engine", None)
+    if ckpt_engine is None:
+        yield
+        return
+    allowed = [getattr(importlib.import_module(m), n) for m, n in _DS_CHECKPOINT_CLASSES]
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    ckpt_engine.load = load
+    try:
+        yield
+    finally:
+        del ckpt_engine.load  # back to the class's method
+
+
 def load_checkpoint(engines: dict, path: str | os.PathLike) -> dict:
     """Restore ``engines`` (models, optimizers, schedulers) and this rank's RNG from ``path``.
+
+    Every file is read with ``torch.load(weights_only=True)`` (DeepSpeed's engine files too):
+    nothing in a checkpoint can run code.
 
     Returns the ``state`` dict saved with it (``step`` included).
 
@@ -457,7 +493,8 @@ def load_checkpoint(engines: dict, path: str | os.PathLike) -> dict:
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"{path} is not a complete chatrl checkpoint (no {COMPLETE})")
     for name, engine in engines.items():
-        engine.load_checkpoint(str(path / name), tag="state")
+        with _weights_only_loads(engine):
+            engine.load_checkpoint(str(path / name), tag="state")
     rng = path / f"rng_rank{get_rank()}.pt"
     if rng.exists():
         _set_rng_state(torch.load(rng, weights_only=True))

@@ -75,3 +75,25 @@ def test_cycle_skip_resumes_at_the_same_batch_across_epochs():
     resumed.skip(5)
     assert resumed.consumed == 5
     assert [next(resumed)["x"].tolist() for _ in range(3)] == seen[5:]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("code ran while loading a checkpoint",))
+
+
+def test_engine_checkpoint_reads_are_weights_only(tmp_path):
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from chatrl.dist import _weights_only_loads
+
+    good, evil = tmp_path / "good.pt", tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "stage": ZeroStageEnum.weights}, good)
+    torch.save({"x": _Evil()}, evil)
+    engine = types.SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    with _weights_only_loads(engine):
+        assert engine.checkpoint_engine.load(str(good))["stage"] == ZeroStageEnum.weights
+        with pytest.raises(Exception, match="Weights only load failed"):
+            engine.checkpoint_engine.load(str(evil))
+    assert "load" not in vars(engine.checkpoint_engine)  # DeepSpeed's own method is back afterwards
