@@ -173,21 +173,19 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
     keeps the log of its earlier attempts); returns seconds taken.
 
     Raises:
-        SystemExit: the step failed; the message names the step, the rank that failed first and
-            how, the last checkpoint to resume from, and the log, after the log's last lines.
+        SystemExit: the step failed; the message names the step, the ranks that failed and how,
+            the last checkpoint to resume from, and the log (the step's own output was shown above).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tail: list[str] = []
     failures: list[str] = []
-    with open(log_path, "a", encoding="utf-8") as log:
+    with open(log_path, "a", encoding="utf-8", buffering=1) as log:  # line-buffered: a killed job keeps its log
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}\n$ " + shlex.join(cmd) + "\n")
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tty, drawn = sys.stdout.isatty(), False
         for line in proc.stdout:
             log.write(line)
-            tail = (tail + [line])[-40:]
             failures += _failure_lines(line)
             if _PROGRESS.search(line):  # a tqdm update: redraw in place on a terminal, else leave it to the log
                 if tty:
@@ -198,7 +196,6 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
                 drawn = False
         code = proc.wait()
     if code != 0:
-        sys.stderr.write("".join(tail))
         ckpts = list_checkpoints(step_dir)
         resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
                   "no checkpoint was written (--save_interval): a rerun starts this step again")
@@ -220,7 +217,10 @@ def _failure_lines(line: str) -> list[str]:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return [f"local rank {m.group(1)} {how}"]
     m = _RANK_FAILED.search(line.strip())
-    return [m.group(0)[:300]] if m else []
+    if not m:
+        return []
+    text = m.group(0)
+    return [text if len(text) <= 400 else text[:399] + "…"]
 
 
 _PROGRESS = re.compile(r"\d+/\d+ \[[\d:<?]+.*(it/s|s/it)")

@@ -171,6 +171,14 @@ def _load_local_params(module: torch.nn.Module, path: str) -> None:
 _PROGRESS = {"step": "", "optimizer_step": 0}
 
 
+def _short(message: str, limit: int = 240) -> str:
+    """First line of an error message, without a leading ``[file.cc:123]`` source location, cut to ``limit``."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    if first.startswith("[") and "] " in first:
+        first = first.split("] ", 1)[1]
+    return first if len(first) <= limit else first[:limit - 1] + "…"
+
+
 def set_progress(step_name: str | None = None, optimizer_step: int | None = None) -> None:
     """Record where this rank is, for :func:`report_failure`'s message."""
     if step_name is not None:
@@ -190,9 +198,10 @@ def report_failure():
         rank = os.environ.get("RANK", "0")
         where = _PROGRESS["step"] or "chatrl"
         sys.stderr.write(f"\nchatrl: rank {rank} failed in {where} after optimizer step {_PROGRESS['optimizer_step']}: "
-                         f"{type(e).__name__}: {str(e)[:500]}\n")
+                         f"{type(e).__name__}: {_short(str(e))}\n")
         if "Connection closed by peer" in str(e) or "Connection reset" in str(e) or "NCCL" in str(e):
             sys.stderr.write("chatrl: another rank has probably died; its own message (or the launcher's) names it. "
-                             "Rerun with --resume to continue from the last checkpoint.\n")
+                             "The step continues from its last checkpoint with --resume (train.py adds it when the "
+                             "same command is run again).\n")
         sys.stderr.flush()
         raise

@@ -18,7 +18,7 @@ class Tracker:
 
     Args:
         output_dir: the step's output folder; the log goes to ``output_dir/logs/metrics.jsonl``
-            (appended, so a resumed run continues the same file).
+            (appended, so a resumed run continues the same file; see :meth:`resumed_at`).
         enabled: write anything at all (true on rank 0 only).
         tensorboard: also write TensorBoard scalars to ``tensorboard_path``
             (default ``output_dir/logs/tb``).
@@ -42,6 +42,39 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(tensorboard_path or str(log_dir / "tb"))
+
+    def resumed_at(self, step: int) -> None:
+        """A resumed run continues from optimizer step ``step``: drop the logged rows of later steps.
+
+        Those steps are trained again, so their old rows would appear twice. The whole earlier log
+        is first kept as ``metrics.before-resume-N.jsonl`` (N counts resumes), then
+        ``metrics.jsonl`` is rewritten atomically with the rows up to ``step``. TensorBoard events of
+        later steps are purged the same way (``SummaryWriter(purge_step=step + 1)``).
+        """
+        if not self.enabled:
+            return
+        import shutil
+
+        self._file.close()
+        n = 1 + sum(1 for _ in self.path.parent.glob("metrics.before-resume-*.jsonl"))
+        shutil.copyfile(self.path, self.path.with_name(f"metrics.before-resume-{n}.jsonl"))
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:  # a line cut off by the crash
+                continue
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self._tb.log_dir
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir, purge_step=step + 1)
 
     def log(self, metrics: dict, step: int) -> None:
         """Record ``metrics`` (name → number) at optimizer step ``step``."""

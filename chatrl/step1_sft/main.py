@@ -174,6 +174,7 @@ def run(argv: list[str] | None = None) -> dict:
     step, resumed, metrics = 0, ckpt.resume(), {}
     if resumed:
         step = resumed["step"]
+        tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
         metrics = evaluate(engine, data.eval, collate, args, info)

@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
         metrics = dict(initial)
+        tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
         metrics = evaluate(engine, data.eval, collate, args, info)

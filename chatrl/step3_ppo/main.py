@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         if ptx_iter is not None:
             ptx_iter.skip(resumed["ptx_batches"])
         hybrid.mark_weights_stale()
+        tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
                       f"KL coefficient {kl_ctl.value:.4g})")
     tracker.bar(total_buffers, "step 3 PPO", initial=step)

@@ -53,6 +53,10 @@ def test_step1_resume_follows_the_uninterrupted_trajectory(tmp_path):
                                                       cut_off="step_5")
     for step in (5, 6):
         assert resumed[step]["train/loss"] == pytest.approx(straight[step]["train/loss"], abs=1e-6), step
+    logs = tmp_path / "resumed" / "logs"
+    steps = [json.loads(x)["step"] for x in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps)  # the stopped run's step-5 row was dropped at resume, not repeated
+    assert (logs / "metrics.before-resume-1.jsonl").exists()
 
 
 @pytest.mark.slow
