@@ -7,7 +7,8 @@
 * :class:`NonFiniteGuard` watches the engines of a step: a training step with a skipped optimizer
   step is counted, and ``max_in_a_row`` such steps in a row raise :class:`NonFiniteError` (the
   caller writes a checkpoint of the last good weights first: a skipped step changes nothing).
-* :class:`LoopCheckpoints` is the ``--save_interval`` / ``--resume`` logic the three steps share.
+* :class:`LoopCheckpoints` is the ``--save_interval`` / ``--resume`` / non-finite logic the three
+  steps share; :func:`batches_from` puts a data loader at a resumed step's first batch.
 * :func:`report_failure` turns an exception on a rank into one line naming the rank, the step and
   the optimizer step reached, before the exception ends the process with a non-zero code (the
   launcher then stops the other ranks).
@@ -108,6 +109,30 @@ class LoopCheckpoints:
 
     def __init__(self, args, engines: dict, extra_modules: dict | None = None):
         self.args, self.engines, self.extra = args, engines, extra_modules or {}
+        self.guard = NonFiniteGuard(engines, args.max_nonfinite_steps)
+
+    @property
+    def skipped(self) -> int:
+        """Optimizer steps skipped so far for non-finite loss or gradients (this run)."""
+        return self.guard.skipped
+
+    def after_step(self, step: int, state: dict) -> bool:
+        """Record training step ``step`` with the non-finite guard; True when it was skipped.
+
+        Raises:
+            NonFiniteError: ``--max_nonfinite_steps`` bad steps in a row; a checkpoint of the
+                current (last good) weights with ``state`` is written first.
+        """
+        try:
+            return self.guard.after_step(step)
+        except NonFiniteError:
+            self.save(step, {**state, "stopped": "non-finite"})
+            raise
+
+    def save_if_due(self, step: int, total_steps: int, state: dict) -> None:
+        """Write the periodic checkpoint of training step ``step`` when :meth:`due`."""
+        if self.due(step, total_steps):
+            self.save(step, state)
 
     def resume(self) -> dict | None:
         """Load the checkpoint ``--resume``/``--resume_from_checkpoint`` point to; returns its state or None.
@@ -145,6 +170,20 @@ class LoopCheckpoints:
 
         dist.save_checkpoint(self.engines, self.args.output_dir, step, state, keep=self.args.save_total_limit,
                              write_extra=write_extra)
+
+
+def batches_from(loader, step: int, steps_per_epoch: int, batches_per_step: int):
+    """An iterator over ``loader`` positioned at the first batch of training step ``step``.
+
+    The loader's ``DistributedSampler`` is set to the epoch holding ``step``; the batches of that
+    epoch's earlier steps are drawn and dropped. With a loader that has its own seeded generator
+    this gives a resumed run exactly the batches the uninterrupted run would have seen.
+    """
+    loader.sampler.set_epoch(step // steps_per_epoch)
+    it = iter(loader)
+    for _ in range(step % steps_per_epoch * batches_per_step):
+        next(it)
+    return it
 
 
 def _local_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:

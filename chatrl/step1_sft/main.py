@@ -120,7 +120,7 @@ def run(argv: list[str] | None = None) -> dict:
         load_tokenizer,
         optimizer_param_groups,
     )
-    from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, set_progress
+    from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step1_sft.loss import token_nll
 
     set_progress("step 1 (SFT)")
@@ -170,7 +170,6 @@ def run(argv: list[str] | None = None) -> dict:
                   f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
     ckpt = LoopCheckpoints(args, {"model": engine})
-    guard = NonFiniteGuard({"model": engine}, args.max_nonfinite_steps)
     step, resumed, metrics = 0, ckpt.resume(), {}
     if resumed:
         step = resumed["step"]
@@ -186,10 +185,7 @@ def run(argv: list[str] | None = None) -> dict:
     t0, first_step = time.time(), step
     scale_base = info.world_size * batch.gradient_accumulation_steps
     while step < total_steps:
-        sampler.set_epoch(step // steps_per_epoch)
-        it = iter(loader)
-        for _ in range(step % steps_per_epoch * batch.gradient_accumulation_steps):  # resume mid-epoch
-            next(it)
+        it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             micro = [{k: v.to(info.device) for k, v in next(it).items()}
                      for _ in range(batch.gradient_accumulation_steps)]
@@ -207,15 +203,11 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            try:
-                guard.after_step(step)
-            except NonFiniteError:
-                ckpt.save(step, {"epoch": step // steps_per_epoch, "stopped": "non-finite"})
-                raise
+            ckpt.after_step(step, {"epoch": step // steps_per_epoch})
             if step % args.log_interval == 0 or step == total_steps:
                 loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
                 tracker.log({"train/loss": loss, "train/lr": scheduler.get_last_lr()[0],
-                             "train/skipped_steps": guard.skipped,
+                             "train/skipped_steps": ckpt.skipped,
                              "train/tokens": n_global, "train/samples_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
@@ -223,8 +215,7 @@ def run(argv: list[str] | None = None) -> dict:
                 metrics = evaluate(engine, data.eval, collate, args, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-            if ckpt.due(step, total_steps):
-                ckpt.save(step, {"epoch": step // steps_per_epoch})
+            ckpt.save_if_due(step, total_steps, {"epoch": step // steps_per_epoch})
             if step >= total_steps or step == args.stop_after_steps:
                 break
         if step == args.stop_after_steps:

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         load_tokenizer,
         optimizer_param_groups,
     )
-    from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, set_progress
+    from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
 
     set_progress("step 2 (reward model)")
@@ -171,7 +171,6 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
     ckpt = LoopCheckpoints(args, {"model": engine})
-    guard = NonFiniteGuard({"model": engine}, args.max_nonfinite_steps)
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
@@ -188,10 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
     t0, first_step = time.time(), step
     while step < total_steps:
-        sampler.set_epoch(step // steps_per_epoch)
-        it = iter(loader)
-        for _ in range(step % steps_per_epoch * batch.gradient_accumulation_steps):  # resume mid-epoch
-            next(it)
+        it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             stats = torch.zeros(3, dtype=torch.float64)  # loss sum over micro-batches, correct, pairs
             for _ in range(batch.gradient_accumulation_steps):
@@ -210,24 +206,19 @@ def main(argv: list[str] | None = None) -> dict:
             set_progress(optimizer_step=step)
             tracker.advance()
             state = {"epoch": step // steps_per_epoch, "initial_metrics": initial}
-            try:
-                guard.after_step(step)
-            except NonFiniteError:
-                ckpt.save(step, {**state, "stopped": "non-finite"})
-                raise
+            ckpt.after_step(step, state)
             if step % args.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
                 tracker.log({"train/loss": loss_sum / (batch.gradient_accumulation_steps * info.world_size),
                              "train/accuracy": correct / pairs, "train/lr": scheduler.get_last_lr()[0],
-                             "train/skipped_steps": guard.skipped, "train/pairs_per_s":
+                             "train/skipped_steps": ckpt.skipped, "train/pairs_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
             if (args.eval_interval and step % args.eval_interval == 0) or epoch_end or step == total_steps:
                 metrics = evaluate(engine, data.eval, collate, args, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe_eval(metrics)}")
-            if ckpt.due(step, total_steps):
-                ckpt.save(step, state)
+            ckpt.save_if_due(step, total_steps, state)
             if step >= total_steps or step == args.stop_after_steps:
                 break
         if step == args.stop_after_steps:

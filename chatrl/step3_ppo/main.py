@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl import dist
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
     from chatrl.models import load_tokenizer
-    from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, set_progress
+    from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
     from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
@@ -210,7 +210,6 @@ def main(argv: list[str] | None = None) -> dict:
                   f"critic ZeRO-{args.critic_zero_stage}, hybrid engine {'on' if args.enable_hybrid_engine else 'off'}")
     trained = {"actor": engines.actor, "critic": engines.critic}
     ckpt = LoopCheckpoints(args, trained, {"actor_ema": engines.ema.module} if engines.ema is not None else None)
-    guard = NonFiniteGuard(trained, args.max_nonfinite_steps)
     resumed, samples = ckpt.resume(), 0
 
     def state() -> dict:
@@ -229,10 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     tracker.bar(total_buffers, "step 3 PPO", initial=step)
     t_start, metrics = time.time(), {}
     while step < total_buffers:
-        sampler.set_epoch(step // steps_per_epoch)
-        it = iter(loader)
-        for _ in range(step % steps_per_epoch * args.generation_batches):  # resume mid-epoch
-            next(it)
+        it = batches_from(loader, step, steps_per_epoch, args.generation_batches)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             t0 = time.time()
             stats: dict = {}
@@ -250,14 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
             rollouts = args.generation_batches * args.per_device_generation_batch_size * info.world_size
             samples += rollouts
             metrics = reduce_stats(stats)
-            try:
-                skipped = guard.after_step(step)
-            except NonFiniteError:
-                ckpt.save(step, {**state(), "stopped": "non-finite"})
-                raise
-            if not skipped:  # a skipped (non-finite) step tells the KL controller nothing
+            if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing
                 kl_ctl.update(metrics["kl"], rollouts)
-            metrics["skipped_steps"] = guard.skipped
+            metrics["skipped_steps"] = ckpt.skipped
             metrics["samples"] = samples
             metrics["samples_per_s"] = rollouts / (time.time() - t0)
             metrics["elapsed_min"] = (time.time() - t_start) / 60
@@ -271,8 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                 prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
                 tracker.write(f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}"
                               f"[{tokenizer.decode(a, skip_special_tokens=True)}]")
-            if ckpt.due(step, total_buffers):
-                ckpt.save(step, state())
+            ckpt.save_if_due(step, total_buffers, state())
             if step >= total_buffers or step == args.stop_after_steps:
                 break
         if step == args.stop_after_steps:

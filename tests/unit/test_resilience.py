@@ -6,7 +6,13 @@ import types
 import pytest
 import torch
 
-from chatrl.resilience import LoopCheckpoints, NonFiniteError, NonFiniteGuard, skip_nonfinite_steps
+from chatrl.resilience import (
+    LoopCheckpoints,
+    NonFiniteError,
+    NonFiniteGuard,
+    batches_from,
+    skip_nonfinite_steps,
+)
 from chatrl.step3_ppo.main import Cycle
 
 
@@ -55,7 +61,7 @@ def test_plain_optimizer_skips_a_nonfinite_step_and_keeps_its_state():
 
 @pytest.mark.parametrize("interval,total,due", [(2, 7, [2, 4, 6]), (3, 6, [3]), (0, 5, [])])
 def test_checkpoint_is_due_every_interval_but_not_after_the_last_step(interval, total, due):
-    ckpt = LoopCheckpoints(types.SimpleNamespace(save_interval=interval), {})
+    ckpt = LoopCheckpoints(types.SimpleNamespace(save_interval=interval, max_nonfinite_steps=10), {})
     assert [s for s in range(1, total + 1) if ckpt.due(s, total)] == due
 
 
@@ -97,3 +103,21 @@ def test_engine_checkpoint_reads_are_weights_only(tmp_path):
         with pytest.raises(Exception, match="Weights only load failed"):
             engine.checkpoint_engine.load(str(evil))
     assert "load" not in vars(engine.checkpoint_engine)  # DeepSpeed's own method is back afterwards
+
+
+def test_batches_from_gives_a_resumed_step_the_same_batches():
+    data = list(range(20))
+
+    def loader():
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=5)
+        return torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler, generator=torch.Generator())
+
+    steps_per_epoch, per_step = 2, 2  # 5 batches per epoch on this rank, 2 per step, the 5th unused
+    straight = []
+    for epoch in range(2):
+        it = batches_from(loader(), epoch * steps_per_epoch, steps_per_epoch, per_step)
+        straight += [[next(it).tolist() for _ in range(per_step)] for _ in range(steps_per_epoch)]
+    for step in range(4):
+        it = batches_from(loader(), step, steps_per_epoch, per_step)
+        assert [next(it).tolist() for _ in range(per_step)] == straight[step], step
+    assert straight[0] != straight[2]  # epochs differ
