@@ -127,5 +127,8 @@ def _worker(argv) -> None:
 if __name__ == "__main__":
     if "LOCAL_RANK" in os.environ:
         _worker(sys.argv[1:])
+        from chatrl.dist import shutdown
+
+        shutdown()
     else:
         sys.exit(_launch(sys.argv[1:]))

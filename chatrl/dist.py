@@ -109,6 +109,18 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly at the end of a successful run (all ranks call it).
+
+    A barrier, then ``destroy_process_group``: exiting with the group alive leaves the backend's
+    threads to be torn down by the interpreter's exit, which can abort the process (seen with
+    gloo: "terminate called without an active exception", exit code -6, after all work was done).
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of ``t`` over ranks (a new tensor; ``t`` is left as it was)."""
     out = t.detach().clone()

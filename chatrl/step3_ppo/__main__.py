@@ -1,5 +1,7 @@
+from chatrl.dist import shutdown
 from chatrl.resilience import report_failure
 from chatrl.step3_ppo.main import main
 
 with report_failure():
     main()
+    shutdown()

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from chatrl import dist
+from chatrl.dist import shutdown
 from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
 from chatrl.resilience import NonFiniteError, NonFiniteGuard
 
@@ -80,3 +81,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()

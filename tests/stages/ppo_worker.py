@@ -16,6 +16,7 @@ import torch
 
 from chatrl import dist
 from chatrl.data import PromptCollator, build_phase_data
+from chatrl.dist import shutdown
 from chatrl.models import load_tokenizer
 from chatrl.step2_reward.model import load_reward_model, save_reward_model
 from chatrl.step3_ppo import core
@@ -89,3 +90,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from chatrl.dist import full_state_dict, is_main
+from chatrl.dist import full_state_dict, is_main, shutdown
 from chatrl.models import causal_lm_logits
 from chatrl.step1_sft.main import run
 
@@ -57,3 +57,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()
