@@ -53,8 +53,11 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     if getattr(args, "save_interval", 0) < 0:
         parser.error(f"--save_interval must be >= 0 (0: no checkpoints), got {args.save_interval}")
     resume_from = getattr(args, "resume_from_checkpoint", None)
+    if resume_from and not os.path.isdir(resume_from):
+        parser.error(f"--resume_from_checkpoint {resume_from}: no such folder")
     if resume_from and not os.path.isfile(os.path.join(resume_from, "complete.json")):
-        parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no complete.json)")
+        parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no complete.json); "
+                     "give one OUTPUT_DIR/checkpoints/step_N folder, or use --resume for the newest")
     return args
 
 
@@ -136,11 +139,12 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and resume")
     g.add_argument("--save_interval", type=int, default=0,
                    help="write a resumable checkpoint every N optimizer steps to OUTPUT_DIR/checkpoints (0: off)")
-    g.add_argument("--save_total_limit", type=int, default=2, help="keep only the newest N checkpoints")
+    g.add_argument("--save_total_limit", type=int, default=2, help="keep only the newest N checkpoints (N >= 1)")
     g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint, if any")
-    g.add_argument("--resume_from_checkpoint", default=None, help="continue from this checkpoint folder")
+    g.add_argument("--resume_from_checkpoint", default=None,
+                   help="continue from this checkpoint folder (OUTPUT_DIR/checkpoints/step_N); wins over --resume")
     g.add_argument("--stop_after_steps", type=int, default=0,
-                   help="stop after N optimizer steps without the final save, as a crash would (resume tests)")
+                   help="testing: stop after N optimizer steps without the final save, as a crash would")
     g.add_argument("--max_nonfinite_steps", type=int, default=10,
                    help="steps with non-finite loss or gradients are skipped; stop (with a checkpoint) after "
                         "this many in a row (0: never stop)")

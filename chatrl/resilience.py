@@ -232,7 +232,7 @@ def report_failure():
     try:
         yield
     except BaseException as e:
-        if isinstance(e, SystemExit) and e.code in (0, None):
+        if isinstance(e, SystemExit):  # a deliberate exit (argparse's usage errors): its message is out already
             raise
         rank = os.environ.get("RANK", "0")
         where = _PROGRESS["step"] or "chatrl"

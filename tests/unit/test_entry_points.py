@@ -119,7 +119,8 @@ def test_checkpoint_flags_are_checked_at_parse_time(tmp_path, module, capsys):
     assert args.save_interval == 5 and args.resume and args.save_total_limit == 2 and args.max_nonfinite_steps == 10
     for bad, says in [(["--save_total_limit", "0"], "--save_total_limit must be >= 1"),
                       (["--save_interval", "-1"], "--save_interval must be >= 0"),
-                      (["--resume_from_checkpoint", str(tmp_path)], "not a complete chatrl checkpoint")]:
+                      (["--resume_from_checkpoint", str(tmp_path)], "not a complete chatrl checkpoint"),
+                      (["--resume_from_checkpoint", str(tmp_path / "nope")], "no such folder")]:
         with pytest.raises(SystemExit):
             parse(build(), [*base, *bad])
         assert says in capsys.readouterr().err

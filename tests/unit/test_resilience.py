@@ -121,3 +121,19 @@ def test_batches_from_gives_a_resumed_step_the_same_batches():
         it = batches_from(loader(), step, steps_per_epoch, per_step)
         assert [next(it).tolist() for _ in range(per_step)] == straight[step], step
     assert straight[0] != straight[2]  # epochs differ
+
+
+def test_failure_report_names_rank_step_and_progress_but_not_usage_errors(capsys, monkeypatch):
+    from chatrl.resilience import report_failure, set_progress
+
+    monkeypatch.setenv("RANK", "1")
+    set_progress("step 2 (reward model)", 7)
+    with pytest.raises(RuntimeError), report_failure():
+        raise RuntimeError("[/src/gloo/pair.cc:537] Read error [127.0.0.1]:4000: Connection reset by peer\nmore")
+    err = capsys.readouterr().err
+    assert ("chatrl: rank 1 failed in step 2 (reward model) after optimizer step 7: RuntimeError: "
+            "Read error [127.0.0.1]:4000: Connection reset by peer\n") in err
+    assert "another rank has probably died" in err
+    with pytest.raises(SystemExit), report_failure():
+        raise SystemExit(2)  # argparse has printed its own message
+    assert capsys.readouterr().err == ""
