@@ -197,12 +197,31 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
         code = proc.wait()
     if code != 0:
         ckpts = list_checkpoints(step_dir)
+        reached = _last_logged_step(step_dir)
+        if reached is not None:
+            failures.append(f"the last optimizer step logged was {reached}")
         resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
                   "no checkpoint was written (--save_interval): a rerun starts this step again")
         why = "".join(f"\n  {f}" for f in dict.fromkeys(failures))
         raise SystemExit(f"train.py: step {step} ({STEP_NAMES[step]}) failed with exit code {code}{why}\n"
                          f"  {resume}\n  full log: {log_path}")
     return time.time() - t0
+
+
+def _last_logged_step(step_dir: Path) -> int | None:
+    """The step of the last complete row of a step's ``logs/metrics.jsonl`` (None without one)."""
+    import json
+
+    path = step_dir / "logs" / "metrics.jsonl"
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            last = json.loads(line).get("step", last)
+        except json.JSONDecodeError:
+            continue
+    return last
 
 
 _RANK_EXIT = re.compile(r"--local_rank=(\d+).*exits with return code = (-?\d+)")

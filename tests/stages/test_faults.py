@@ -4,6 +4,7 @@ the same command resumes the step from its last checkpoint."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,18 +73,26 @@ def test_killed_rank_ends_the_job_and_train_py_resumes(tmp_path):
     while not (ckpt / "step_4").exists():
         assert proc.poll() is None and time.time() - t0 < 300, "no checkpoint within 300 s"
         time.sleep(0.2)
-    rank1 = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
+    def rank_of(p):
+        try:
+            return p.environ().get("RANK")
+        except psutil.Error:  # a helper process that has just exited
+            return None
+
+    rank1 = [c for c in psutil.Process(proc.pid).children(recursive=True) if rank_of(c) == "1"]
     assert len(rank1) == 1
     rank1[0].kill()
     killed_at = time.time()
     log, _ = proc.communicate(timeout=120)
     assert time.time() - killed_at < 60
-    assert proc.returncode != 0
-    assert "step 1 (supervised fine-tuning) failed" in log
+    assert proc.returncode != 0, log[-3000:]
+    assert "step 1 (supervised fine-tuning) failed" in log, log[-3000:]
     assert "local rank 1 was killed by signal 9" in log
-    assert "failed in step 1 (SFT) after optimizer step" in log  # the surviving rank names the step it reached
-    assert "rerun the same command to resume" in log
     newest = max(int(p.name[5:]) for p in ckpt.glob("step_*"))
+    assert re.search(r"the last optimizer step logged was (\d+)", log)
+    assert int(re.search(r"the last optimizer step logged was (\d+)", log).group(1)) >= newest
+    # the surviving rank usually names the step it reached too, unless the launcher stops it first
+    assert "rerun the same command to resume" in log
 
     again = subprocess.run(_train_py(out, tmp_path / "cache"), env=env, cwd=REPO, capture_output=True, text=True,
                            timeout=600)
