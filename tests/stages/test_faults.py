@@ -1,6 +1,6 @@
 """Faults mid-run: a non-finite step is skipped at every ZeRO stage, K bad steps in a row stop the run
 with a checkpoint, and a killed rank ends a ``train.py`` job within 60 s with a message, after which
-the same command resumes the step from its last checkpoint."""
+the same command resumes the step from its last checkpoint and follows the uninterrupted run's losses."""
 
 import json
 import os
@@ -102,3 +102,17 @@ def test_killed_rank_ends_the_job_and_train_py_resumes(tmp_path):
     assert f"resumed from {ckpt / f'step_{newest}'} at optimizer step {newest}" in step_log
     assert "local_rank=1" in step_log  # the first attempt's log is kept
     assert (out / "step1_actor" / "chatrl_run.json").exists()
+
+    # the killed-and-resumed run followed the uninterrupted run's trajectory
+    straight = tmp_path / "straight"
+    subprocess.run(_train_py(straight, tmp_path / "cache"), env=env, cwd=REPO, capture_output=True, timeout=600,
+                   check=True)
+
+    def losses(root):
+        rows = map(json.loads, (root / "step1_actor" / "logs" / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    resumed, uninterrupted = losses(out), losses(straight)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 41))
+    for step in range(newest + 1, 41):
+        assert resumed[step] == pytest.approx(uninterrupted[step], abs=1e-6), step
