@@ -33,6 +33,7 @@ from pathlib import Path
 
 from chatrl.cli import RUN_MARKER
 from chatrl.dist import free_port, list_checkpoints
+from chatrl.tracking import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
@@ -209,19 +210,9 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
 
 
 def _last_logged_step(step_dir: Path) -> int | None:
-    """The step of the last complete row of a step's ``logs/metrics.jsonl`` (None without one)."""
-    import json
-
-    path = step_dir / "logs" / "metrics.jsonl"
-    if not path.exists():
-        return None
-    last = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            last = json.loads(line).get("step", last)
-        except json.JSONDecodeError:
-            continue
-    return last
+    """The step of the last complete row of a step's metrics log (None without one)."""
+    steps = [row["step"] for row in read_metrics(step_dir / METRICS_FILE) if "step" in row]
+    return steps[-1] if steps else None
 
 
 _RANK_EXIT = re.compile(r"--local_rank=(\d+).*exits with return code = (-?\d+)")

@@ -55,9 +55,12 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     resume_from = getattr(args, "resume_from_checkpoint", None)
     if resume_from and not os.path.isdir(resume_from):
         parser.error(f"--resume_from_checkpoint {resume_from}: no such folder")
-    if resume_from and not os.path.isfile(os.path.join(resume_from, "complete.json")):
-        parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no complete.json); "
-                     "give one OUTPUT_DIR/checkpoints/step_N folder, or use --resume for the newest")
+    if resume_from:
+        from chatrl.dist import COMPLETE
+
+        if not os.path.isfile(os.path.join(resume_from, COMPLETE)):
+            parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no {COMPLETE}); "
+                         "give one OUTPUT_DIR/checkpoints/step_N folder, or use --resume for the newest")
     return args
 
 

@@ -12,6 +12,22 @@ import os
 import time
 from pathlib import Path
 
+METRICS_FILE = Path("logs") / "metrics.jsonl"
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The rows of a metrics log, in order; a line cut off by a crash is left out. ``[]`` if absent."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
 
 class Tracker:
     """Writes metrics of one run.
@@ -36,7 +52,7 @@ class Tracker:
             return
         log_dir = Path(output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
+        self.path = Path(output_dir) / METRICS_FILE
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -58,15 +74,9 @@ class Tracker:
         self._file.close()
         n = 1 + sum(1 for _ in self.path.parent.glob("metrics.before-resume-*.jsonl"))
         shutil.copyfile(self.path, self.path.with_name(f"metrics.before-resume-{n}.jsonl"))
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:  # a line cut off by the crash
-                continue
+        kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+        tmp.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in kept), encoding="utf-8")
         os.replace(tmp, self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if self._tb is not None:
