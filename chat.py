@@ -13,24 +13,32 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
+from chatrl import config
 from chatrl.cli import normalize_argv
+from chatrl.config import REQUIRED, setting
 
 HUMAN_MARKER = "\n\nHuman:"
 
 
+@dataclass
+class ChatConfig:
+    """Chat."""
+
+    path: str = setting(REQUIRED, "an HF model folder (e.g. a step-1 or step-3 actor) or hub name", type=str)
+    max_new_tokens: int = setting(128, "answer budget per turn", unit="tokens")
+    greedy: bool = setting(False, "greedy decoding instead of sampling")
+    repetition_penalty: float = setting(1.0, "HF generate's repetition penalty (1: off)")
+    seed: int | None = setting(None, "seed the sampler for reproducible answers", type=int)
+    device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", type=str)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--path", required=True, help="an HF model folder (e.g. a step-1 or step-3 actor) or hub name")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="answer budget per turn (tokens)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top_p", type=float, default=0.9)
-    p.add_argument("--top_k", type=int, default=0)
-    p.add_argument("--repetition_penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="seed the sampler for reproducible answers")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, … (default: cuda if available)")
-    p.add_argument("--trust_remote_code", action="store_true")
+    config.add_block(p, ChatConfig)
+    config.add_block(p, config.SamplingConfig, defaults={"temperature": 0.7, "top_p": 0.9})
+    config.add_block(p, config.ModelConfig, only=("trust_remote_code",))
     return p
 
 

@@ -29,9 +29,11 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from chatrl.cli import RUN_MARKER
+from chatrl.config import add_block, setting, to_argv
 from chatrl.dist import free_port, list_checkpoints
 from chatrl.tracking import METRICS_FILE, read_metrics
 
@@ -65,6 +67,22 @@ def size_in_billions(name: str) -> float:
     return float(m.group(1)) / (1000.0 if m.group(2) == "m" else 1.0)
 
 
+def step_parsers() -> dict[int, argparse.ArgumentParser]:
+    """Each step's own parser: presets are written as its flag names and checked against it."""
+    from chatrl.step1_sft.main import build_parser as step1
+    from chatrl.step2_reward.main import build_parser as step2
+    from chatrl.step3_ppo.main import build_parser as step3
+
+    return {1: step1(), 2: step2(), 3: step3()}
+
+
+def preset_argv(values: dict[int, dict]) -> dict[int, list[str]]:
+    """Per-step ``{flag name: value}`` presets as command lines, each name checked against that
+    step's parser (:func:`chatrl.config.to_argv`; ``True`` is a bare switch, ``False`` omits it)."""
+    parsers = step_parsers()
+    return {s: to_argv(parsers[s], v) for s, v in values.items()}
+
+
 def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: int | None,
                 reward_zero: int | None) -> dict[int, list[str]]:
     """Batch sizes, ZeRO stages, LoRA and offload for the model sizes and deployment.
@@ -79,26 +97,23 @@ def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: in
     rz = reward_zero if reward_zero is not None else (3 if reward_b >= 6 or (gpus > 1 and reward_b >= 1.3) else 0)
     offload = (deployment == "single_gpu" and actor_b >= 6) or (deployment == "single_node" and actor_b >= 30)
     mb = 1 if actor_b >= 30 else 2 if big else 4 if actor_b >= 1 else 8
-    lora = ["--lora_dim", "128", "--lora_module_name", "layers."] if actor_b >= 1.3 else []
-    ckpt = ["--gradient_checkpointing"] if actor_b >= 1.3 else []
+    lora = actor_b >= 1.3
     dtype = "bf16" if deployment != "cpu" else "fp32"
-    step1 = ["--zero_stage", str(az), "--dtype", dtype, "--per_device_train_batch_size", str(mb),
-             "--per_device_eval_batch_size", str(mb), "--learning_rate", "9.65e-6" if actor_b >= 1 else "1e-4",
-             "--num_train_epochs", "1" if big else "2", "--save_interval", "200", *lora, *ckpt,
-             *(["--offload"] if offload else [])]
-    step2 = ["--zero_stage", str(rz), "--dtype", dtype, "--per_device_train_batch_size", "4" if reward_b >= 1 else "8",
-             "--learning_rate", "5e-6" if reward_b >= 1 else "5e-5", "--num_train_epochs", "1", "--save_interval", "200",
-             *(["--gradient_checkpointing"] if reward_b >= 1.3 else [])]
-    step3 = ["--actor_zero_stage", str(az), "--critic_zero_stage", str(rz), "--dtype", dtype,
-             "--per_device_generation_batch_size", str(mb), "--per_device_training_batch_size", str(mb),
-             "--enable_hybrid_engine", "--max_prompt_seq_len", "256", "--max_answer_seq_len", "256",
-             "--save_interval", "50",
-             *(["--actor_lora_dim", "128", "--actor_lora_module_name", "layers."] if actor_b >= 1.3 else []),
-             *(["--actor_gradient_checkpointing"] if actor_b >= 1.3 else []),
-             *(["--offload_reference_model", "--offload"] if offload else [])]
+    step1 = {"zero_stage": az, "dtype": dtype, "per_device_train_batch_size": mb, "per_device_eval_batch_size": mb,
+             "learning_rate": "9.65e-6" if actor_b >= 1 else "1e-4", "num_train_epochs": 1 if big else 2,
+             "save_interval": 200, "lora_dim": 128 if lora else None, "lora_module_name": "layers." if lora else None,
+             "gradient_checkpointing": lora, "offload": offload}
+    step2 = {"zero_stage": rz, "dtype": dtype, "per_device_train_batch_size": 4 if reward_b >= 1 else 8,
+             "learning_rate": "5e-6" if reward_b >= 1 else "5e-5", "num_train_epochs": 1, "save_interval": 200,
+             "gradient_checkpointing": reward_b >= 1.3}
+    step3 = {"actor_zero_stage": az, "critic_zero_stage": rz, "dtype": dtype,
+             "per_device_generation_batch_size": mb, "per_device_training_batch_size": mb,
+             "enable_hybrid_engine": True, "max_prompt_seq_len": 256, "max_answer_seq_len": 256, "save_interval": 50,
+             "actor_lora_dim": 128 if lora else None, "actor_lora_module_name": "layers." if lora else None,
+             "actor_gradient_checkpointing": lora, "offload_reference_model": offload, "offload": offload}
     if gpus >= 8 and big:
-        step3 += ["--inference_tp_size", "2" if actor_b < 30 else "4", "--tp_gather_partition_size", "4"]
-    return {1: step1, 2: step2, 3: step3}
+        step3.update(inference_tp_size=2 if actor_b < 30 else 4, tp_gather_partition_size=4)
+    return preset_argv({1: step1, 2: step2, 3: step3})
 
 
 def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
@@ -106,41 +121,53 @@ def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
     hh-rlhf + Alpaca data from ../shared, 2 CPU ranks, actor under ZeRO-3 with the hybrid engine."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
-    common = ["--data_path", *data, "--data_split", "2,4,4", "--data_output_path", str(output / "data_cache")]
-    step1 = ["--data_path", *data, str(SHARED / "data" / "alpaca-instructions"), *common[1 + len(data):],
-             "--zero_stage", "3",
-             "--max_seq_len", "256", "--per_device_train_batch_size", "16", "--learning_rate", "2e-3",
-             "--num_warmup_steps", "10", "--num_train_epochs", "2", "--eval_interval", "50",
-             "--eval_eos_samples", "32", "--save_interval", "25"]
-    step2 = [*common, "--zero_stage", "3", "--max_seq_len", "256", "--per_device_train_batch_size", "8",
-             "--learning_rate", "2e-3", "--num_warmup_steps", "10", "--num_train_epochs", "1", "--eval_interval", "50",
-             "--save_interval", "25"]
-    step3 = [*common, "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--enable_hybrid_engine",
-             "--max_prompt_seq_len", "128", "--max_answer_seq_len", "48", "--per_device_generation_batch_size", "16",
-             "--per_device_training_batch_size", "16", "--actor_learning_rate", "3e-4",
-             "--critic_learning_rate", "1e-3", "--num_warmup_steps", "5", "--max_steps", "40",
-             "--init_kl_coef", "0.1", "--print_answers", "--print_answers_interval", "10", "--save_interval", "10"]
-    return model, model, {1: step1, 2: step2, 3: step3}
+    common = {"data_path": data, "data_split": "2,4,4", "data_output_path": output / "data_cache"}
+    step1 = {**common, "data_path": [*data, str(SHARED / "data" / "alpaca-instructions")], "zero_stage": 3,
+             "max_seq_len": 256, "per_device_train_batch_size": 16, "learning_rate": "2e-3", "num_warmup_steps": 10,
+             "num_train_epochs": 2, "eval_interval": 50, "eval_eos_samples": 32, "save_interval": 25}
+    step2 = {**common, "zero_stage": 3, "max_seq_len": 256, "per_device_train_batch_size": 8,
+             "learning_rate": "2e-3", "num_warmup_steps": 10, "num_train_epochs": 1, "eval_interval": 50,
+             "save_interval": 25}
+    step3 = {**common, "actor_zero_stage": 3, "critic_zero_stage": 3, "enable_hybrid_engine": True,
+             "max_prompt_seq_len": 128, "max_answer_seq_len": 48, "per_device_generation_batch_size": 16,
+             "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
+             "num_warmup_steps": 5, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
+             "print_answers_interval": 10, "save_interval": 10}
+    return model, model, preset_argv({1: step1, 2: step2, 3: step3})
+
+
+@dataclass
+class PipelineConfig:
+    """train.py: which models and steps, where, and how launched."""
+
+    preset: str | None = setting(None, "demo: the offline end-to-end run on this machine (2 CPU ranks)",
+                                 choices=("demo",), type=str)
+    actor_model: str | None = setting(None, "hub name, short name (opt-1.3b, opt-13b, llama2-7b) or local folder",
+                                      type=str)
+    reward_model: str | None = setting(None, "as --actor-model; the reward model's and critic's backbone", type=str)
+    deployment_type: str = setting("single_gpu", "where it runs; sizes the presets",
+                                   choices=("single_gpu", "single_node", "multi_node", "cpu"))
+    step: list = setting([1, 2, 3], "steps to run, in order", nargs="+", choices=(1, 2, 3), type=int)
+    output_dir: str = setting(str(REPO / "output"), "where every step writes")
+    data_path: list | None = setting(None, "data sets for all steps (default: DeepSpeed-Chat's four)", nargs="+",
+                                     type=str)
+    actor_zero_stage: int | None = setting(None, "ZeRO stage of steps 1 and 3's actor (default: by size)",
+                                           choices=(0, 1, 2, 3), type=int)
+    reward_zero_stage: int | None = setting(None, "ZeRO stage of step 2 and step 3's critic (default: by size)",
+                                            choices=(0, 1, 2, 3), type=int)
+    num_gpus: int | None = setting(None, "GPUs per node (default: all the launcher sees)", type=int)
+    hostfile: str = setting("/job/hostfile", "DeepSpeed hostfile for --deployment-type multi_node")
+    master_port: int | None = setting(None, "launcher port (default: a free one on single-node runs, 29500 across "
+                                            "nodes)", type=int)
+    overwrite: bool = setting(False, "redo steps whose output already holds a finished run")
+    step1_args: str = setting("", "extra flags for step 1, as one quoted string")
+    step2_args: str = setting("", "extra flags for step 2, as one quoted string")
+    step3_args: str = setting("", "extra flags for step 3, as one quoted string")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["demo"], help="demo: the offline end-to-end run on this machine (2 CPU ranks)")
-    p.add_argument("--actor-model", help="hub name, short name (opt-1.3b, opt-13b, llama2-7b) or local folder")
-    p.add_argument("--reward-model", help="as --actor-model; the reward model's and critic's backbone")
-    p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node", "cpu"])
-    p.add_argument("--step", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3], help="steps to run, in order")
-    p.add_argument("--output-dir", default=str(REPO / "output"), help="where every step writes")
-    p.add_argument("--data-path", nargs="+", default=None, help="data sets for all steps (default: DeepSpeed-Chat's four)")
-    p.add_argument("--actor-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    p.add_argument("--reward-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    p.add_argument("--num-gpus", type=int, default=None, help="GPUs per node (default: all the launcher sees)")
-    p.add_argument("--hostfile", default="/job/hostfile", help="DeepSpeed hostfile for --deployment-type multi_node")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="launcher port (default: a free one on single-node runs, 29500 across nodes)")
-    p.add_argument("--overwrite", action="store_true", help="redo steps whose output already holds a finished run")
-    for s in (1, 2, 3):
-        p.add_argument(f"--step{s}-args", default="", help=f"extra flags for step {s}, as one quoted string")
+    add_block(p, PipelineConfig)
     return p
 
 
@@ -260,14 +287,12 @@ def main(argv: list[str] | None = None) -> None:
                             a.actor_zero_stage, a.reward_zero_stage)
         data = a.data_path or DEFAULT_DATA
         for s in (1, 2, 3):
-            flags[s] = ["--data_path", *data, *flags[s]]
+            flags[s] = ["--data_path", *data, *flags[s]]  # every step's parser has --data_path (DataConfig)
     if a.preset == "demo":  # explicit stages override the demo's (later flags win in argparse)
-        if a.actor_zero_stage is not None:
-            flags[1] += ["--zero_stage", str(a.actor_zero_stage)]
-            flags[3] += ["--actor_zero_stage", str(a.actor_zero_stage)]
-        if a.reward_zero_stage is not None:
-            flags[2] += ["--zero_stage", str(a.reward_zero_stage)]
-            flags[3] += ["--critic_zero_stage", str(a.reward_zero_stage)]
+        over = preset_argv({1: {"zero_stage": a.actor_zero_stage}, 2: {"zero_stage": a.reward_zero_stage},
+                            3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}})
+        for s in over:
+            flags[s] += over[s]
     cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port)
     dirs = {1: out / "step1_actor", 2: out / "step2_reward", 3: out / "step3_rlhf"}
     models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],

@@ -16,13 +16,26 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli
+from chatrl import cli, config
+from chatrl.config import setting
 from chatrl.tracking import Tracker, setup_logging
 
 log = logging.getLogger("chatrl.step1")
+
+
+@dataclass
+class SFTConfig:
+    """Step 1."""
+
+    include_prompt_loss: bool = setting(False, "also train on prompt tokens (off: loss over answer tokens only)")
+    eval_iters: int = setting(0, "cap on eval batches per rank (0: whole eval split)", unit="batches")
+    eval_eos_samples: int = setting(0, "at the end, greedily answer this many eval prompts and report the share "
+                                       "ending in EOS", unit="prompts")
+    eval_max_new_tokens: int = setting(64, "answer budget of that EOS check", unit="tokens")
 
 
 def build_parser():
@@ -34,13 +47,7 @@ def build_parser():
     cli.add_dist_args(p)
     cli.add_log_args(p)
     cli.add_checkpoint_args(p)
-    g = p.add_argument_group("step 1")
-    g.add_argument("--include_prompt_loss", action="store_true",
-                   help="also train on prompt tokens (off: loss over answer tokens only)")
-    g.add_argument("--eval_iters", type=int, default=0, help="cap on eval batches per rank (0: whole eval split)")
-    g.add_argument("--eval_eos_samples", type=int, default=0,
-                   help="at the end, greedily answer this many eval prompts and report the share ending in EOS")
-    g.add_argument("--eval_max_new_tokens", type=int, default=64, help="answer budget of that EOS check")
+    config.add_block(p, SFTConfig)
     return p
 
 
@@ -149,13 +156,9 @@ def run(argv: list[str] | None = None) -> dict:
         enable_gradient_checkpointing(model)
 
     batch = dist.BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    steps_per_epoch = len(loader) // batch.gradient_accumulation_steps
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(data.train)} training samples give no full optimizer step of global batch "
-                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    plan = dist.plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
+                           args.num_warmup_steps, what="samples")
+    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     optimizer = dist.make_optimizer(
         optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
         lr=args.learning_rate, offload=args.offload)

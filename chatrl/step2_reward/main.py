@@ -32,14 +32,27 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli
+from chatrl import cli, config
+from chatrl.config import setting
 from chatrl.dist import eval_batches
 from chatrl.tracking import Tracker, setup_logging
 
 log = logging.getLogger("chatrl.step2")
+
+
+@dataclass
+class RewardConfig:
+    """Step 2."""
+
+    eval_iters: int = setting(0, "cap on eval batches per rank (0: whole eval split)", unit="batches")
+    num_padding_at_beginning: int | None = setting(None, "accepted for DeepSpeed-Chat compatibility and ignored: the "
+                                                         "end score is found from the attention mask, whatever the "
+                                                         "padding", type=int)
+    disable_dropout: bool = setting(False, "DeepSpeed-Chat's spelling of --dropout 0.0")
 
 
 def build_parser():
@@ -51,13 +64,7 @@ def build_parser():
     cli.add_dist_args(p)
     cli.add_log_args(p)
     cli.add_checkpoint_args(p)
-    g = p.add_argument_group("step 2")
-    g.add_argument("--eval_iters", type=int, default=0, help="cap on eval batches per rank (0: whole eval split)")
-    g.add_argument("--num_padding_at_beginning", type=int, default=None,
-                   help="accepted for DeepSpeed-Chat compatibility and ignored: the end score is found "
-                        "from the attention mask, whatever the padding")
-    g.add_argument("--disable_dropout", action="store_true",
-                   help="DeepSpeed-Chat's spelling of --dropout 0.0")
+    config.add_block(p, RewardConfig)
     return p
 
 
@@ -150,13 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
         enable_gradient_checkpointing(model.hf)
 
     batch = dist.BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    steps_per_epoch = len(loader) // batch.gradient_accumulation_steps
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(data.train)} training pairs give no full optimizer step of global batch "
-                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    plan = dist.plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
+                           args.num_warmup_steps, what="pairs")
+    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     optimizer = dist.make_optimizer(
         optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
         lr=args.learning_rate, offload=args.offload)

@@ -28,23 +28,34 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
 
+from chatrl import config
+from chatrl.config import REQUIRED, setting
+
+
+@dataclass
+class ScoreConfig:
+    """Scoring."""
+
+    model: str = setting(REQUIRED, "reward-model folder (step 2's --output_dir)", type=str)
+    prompt: str | None = setting(None, "the user's prompt (plain text or a Human/Assistant transcript)", type=str)
+    chosen: str | None = setting(None, "an answer to score (the one you expect to win)", type=str)
+    rejected: str | None = setting(None, "a second answer to score against --chosen", type=str)
+    pairs: str | None = setting(None, "a data file of pairs instead of --prompt/--chosen/--rejected", type=str)
+    schema: str | None = setting(None, "the file's schema when auto-detection fails (hh, pairs, sharegpt...)", type=str)
+    batch_size: int = setting(8, "pairs per forward pass", unit="pairs")
+    device: str | None = setting(None, "torch device (default: cuda if available, else cpu)", type=str)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="score prompt/answer pairs with a chatrl (or HF seq-cls) reward model",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="reward-model folder (step 2's --output_dir)")
-    p.add_argument("--prompt", help="the user's prompt (plain text or a Human/Assistant transcript)")
-    p.add_argument("--chosen", help="an answer to score (the one you expect to win)")
-    p.add_argument("--rejected", default=None, help="a second answer to score against --chosen")
-    p.add_argument("--pairs", help="a data file of pairs instead of --prompt/--chosen/--rejected")
-    p.add_argument("--schema", default=None, help="the file's schema when auto-detection fails (hh, pairs, sharegpt…)")
-    p.add_argument("--max_seq_len", type=int, default=512, help="max tokens of prompt + answer")
-    p.add_argument("--batch_size", type=int, default=8, help="pairs per forward pass")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="inference dtype")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p = config.new_parser("score prompt/answer pairs with a chatrl (or HF seq-cls) reward model",
+                          prog="python -m chatrl.step2_reward.score")
+    config.add_block(p, ScoreConfig)
+    config.add_block(p, config.DataConfig, only=("max_seq_len",))
+    config.add_block(p, config.ModelConfig, only=("dtype",))
     return p
 
 

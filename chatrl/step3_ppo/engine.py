@@ -24,6 +24,7 @@ class RLHFEngines:
     reward: object
     ema: object | None
     total_actor_steps: int
+    total_critic_steps: int
 
 
 def check_tokenizers_compatible(actor_tok, reward_tok, actor_path: str, reward_path: str) -> None:
@@ -50,8 +51,13 @@ def _scheduler_and_optimizer(model, lr: float, weight_decay: float, lora_lr: flo
     return opt, get_scheduler(scheduler_type, opt, num_warmup_steps=warmup, num_training_steps=max(total, 1))
 
 
-def build_engines(args, tokenizer, info, total_steps: int) -> RLHFEngines:
-    """Load and wrap the four (five) models. ``total_steps``: optimizer steps of each trained model."""
+def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | None = None) -> RLHFEngines:
+    """Load and wrap the four (five) models.
+
+    ``actor_steps``, ``critic_steps`` (default: the actor's): optimizer steps of each trained model
+    over the run (:class:`chatrl.dist.PPOPlan`), the horizon of its learning-rate schedule.
+    """
+    critic_steps = actor_steps if critic_steps is None else critic_steps
     from chatrl import dist
     from chatrl.models import LoraSettings, apply_lora, enable_gradient_checkpointing, load_causal_lm
     from chatrl.step2_reward.model import load_reward_model, with_lora
@@ -68,7 +74,7 @@ def build_engines(args, tokenizer, info, total_steps: int) -> RLHFEngines:
         enable_gradient_checkpointing(actor)
     opt, sched = _scheduler_and_optimizer(actor, args.actor_learning_rate, args.actor_weight_decay,
                                           args.actor_lora_learning_rate if actor_lora.enabled else None,
-                                          args.offload, args.lr_scheduler_type, args.num_warmup_steps, total_steps)
+                                          args.offload, args.lr_scheduler_type, args.num_warmup_steps, actor_steps)
     actor_engine = dist.initialize(actor, dist.deepspeed_config(batch, args.actor_zero_stage, args.offload, args.dtype,
                                                                 args.gradient_clipping), opt, sched)
 
@@ -91,7 +97,7 @@ def build_engines(args, tokenizer, info, total_steps: int) -> RLHFEngines:
         enable_gradient_checkpointing(critic.hf)
     opt, sched = _scheduler_and_optimizer(critic, args.critic_learning_rate, args.critic_weight_decay,
                                           args.critic_lora_learning_rate if args.critic_lora_dim else None,
-                                          args.offload, args.lr_scheduler_type, args.num_warmup_steps, total_steps)
+                                          args.offload, args.lr_scheduler_type, args.num_warmup_steps, critic_steps)
     critic_engine = dist.initialize(critic, dist.deepspeed_config(batch, args.critic_zero_stage, args.offload,
                                                                   args.dtype, args.gradient_clipping), opt, sched)
 
@@ -100,4 +106,4 @@ def build_engines(args, tokenizer, info, total_steps: int) -> RLHFEngines:
     reward_stage = 3 if args.critic_zero_stage == 3 else 0
     reward_engine = dist.initialize(reward, dist.deepspeed_config(
         batch, reward_stage, args.offload_reward_model and reward_stage == 3, args.dtype, inference=True))
-    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, total_steps)
+    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, actor_steps, critic_steps)

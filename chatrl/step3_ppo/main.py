@@ -12,92 +12,45 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli
+from chatrl import cli, config
+from chatrl.config import setting
 from chatrl.tracking import Tracker, setup_logging
 
 log = logging.getLogger("chatrl.step3")
 
 
+ACTOR_CRITIC = ("actor_", "critic_")
+
+
+@dataclass
+class Step3ModelsConfig:
+    """The frozen reward model."""
+
+    reward_model_name_or_path: str | None = setting(None, "frozen reward model (unset: the critic's step-2 folder)",
+                                                    type=str)
+
+
 def build_parser():
-    p = cli.new_parser("chatrl step 3: RLHF fine-tuning of the actor with PPO", prog="python -m chatrl.step3_ppo")
-    g = p.add_argument_group("models")
-    g.add_argument("--actor_model_name_or_path", required=True, help="step-1 output (actor and reference)")
-    g.add_argument("--critic_model_name_or_path", required=True, help="step-2 output (critic initialisation)")
-    g.add_argument("--reward_model_name_or_path", default=None, help="frozen reward model (default: the critic's)")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    g.add_argument("--actor_dropout", type=float, default=None, help="override the actor's dropout (RL passes run in eval mode)")
-    g.add_argument("--critic_dropout", type=float, default=None)
-    g.add_argument("--actor_gradient_checkpointing", action="store_true")
-    g.add_argument("--critic_gradient_checkpointing", action="store_true")
-    g.add_argument("--trust_remote_code", action="store_true")
-    g.add_argument("--enable_ema", action="store_true", help="keep an exponential moving average of the actor")
-    g.add_argument("--ema_beta", type=float, default=0.992)
-    g = p.add_argument_group("LoRA")
-    for who in ("actor", "critic"):
-        g.add_argument(f"--{who}_lora_dim", type=int, default=0)
-        g.add_argument(f"--{who}_lora_module_name", default="layers.")
-        g.add_argument(f"--{who}_lora_learning_rate", type=float, default=5e-4)
-    g.add_argument("--only_optimize_lora", action="store_true")
-    g = p.add_argument_group("data")
-    g.add_argument("--data_path", nargs="+", required=True, help="as step 1; the step-3 share of each set is used")
-    g.add_argument("--data_split", default="2,4,4")
-    g.add_argument("--data_output_path", default="/tmp/chatrl_data")
-    g.add_argument("--max_prompt_seq_len", type=int, default=256, help="prompt tokens (longer prompts keep their end)")
-    g.add_argument("--max_answer_seq_len", type=int, default=256, help="generated tokens per answer")
-    g.add_argument("--unsupervised_dataset_name", nargs="*", default=None, help="text for the PTX loss (step-1 style data)")
-    g.add_argument("--unsup_coef", type=float, default=27.8, help="PTX loss coefficient")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--per_device_generation_batch_size", type=int, default=4, help="prompts per rank per generation")
-    g.add_argument("--per_device_training_batch_size", type=int, default=4, help="rollouts per PPO micro-batch")
-    g.add_argument("--generation_batches", type=int, default=1, help="generation batches per experience buffer")
-    g.add_argument("--ppo_epochs", type=int, default=1, help="passes over each experience buffer")
-    g.add_argument("--num_train_epochs", type=int, default=1, help="passes over the prompts")
-    g.add_argument("--max_steps", type=int, default=0, help="stop after this many experience buffers (0: no limit)")
-    g.add_argument("--actor_learning_rate", type=float, default=9.65e-6)
-    g.add_argument("--critic_learning_rate", type=float, default=5e-6)
-    g.add_argument("--actor_weight_decay", type=float, default=0.0)
-    g.add_argument("--critic_weight_decay", type=float, default=0.0)
-    g.add_argument("--lr_scheduler_type", default="cosine")
-    g.add_argument("--num_warmup_steps", type=int, default=100)
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--gradient_clipping", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g = p.add_argument_group("PPO")
-    g.add_argument("--init_kl_coef", type=float, default=0.1, help="β of the per-token KL penalty")
-    g.add_argument("--kl_ctl", default="fixed", choices=["fixed", "adaptive"], help="adaptive: Ziegler et al. 2019")
-    g.add_argument("--kl_target", type=float, default=6.0, help="adaptive controller's target KL (nats per answer)")
-    g.add_argument("--kl_horizon", type=float, default=10000, help="adaptive controller's horizon (rollouts)")
-    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k3", "abs", "mse"])
-    g.add_argument("--clip_reward_value", type=float, default=5.0)
-    g.add_argument("--cliprange", type=float, default=0.2)
-    g.add_argument("--cliprange_value", type=float, default=0.2)
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lam", type=float, default=0.95)
-    g.add_argument("--whiten_advantages", action="store_true")
-    g.add_argument("--penalty_no_eos", type=float, default=0.0, help="subtracted from the score of answers without EOS")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_k", type=int, default=0)
-    g.add_argument("--top_p", type=float, default=1.0)
-    g = p.add_argument_group("distributed and hybrid engine")
-    g.add_argument("--actor_zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--critic_zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--offload", action="store_true")
-    g.add_argument("--offload_reference_model", action="store_true")
-    g.add_argument("--offload_reward_model", action="store_true")
-    g.add_argument("--enable_hybrid_engine", action="store_true")
-    g.add_argument("--inference_tp_size", type=int, default=1)
-    g.add_argument("--tp_gather_partition_size", type=int, default=8)
-    g.add_argument("--release_inference_cache", action="store_true")
-    g.add_argument("--unpin_actor_parameters", action="store_true", help="accepted for DeepSpeed-Chat compatibility")
-    g.add_argument("--local_rank", type=int, default=-1)
-    cli.add_log_args(p)
-    cli.add_checkpoint_args(p)
-    g = p.add_argument_group("step 3 logging")
-    g.add_argument("--print_answers", action="store_true", help="print a prompt and its answer every interval")
-    g.add_argument("--print_answers_interval", type=int, default=10)
+    """Step 3's flags: the blocks of :mod:`chatrl.config`, per-model ones for the actor and the critic."""
+    p = config.new_parser("chatrl step 3: RLHF fine-tuning of the actor with PPO", prog="python -m chatrl.step3_ppo")
+    config.add_block(p, config.ModelConfig, prefixes=ACTOR_CRITIC, title="models")
+    config.add_block(p, Step3ModelsConfig)
+    config.add_block(p, config.LoraConfig, prefixes=ACTOR_CRITIC)
+    config.add_block(p, config.DataConfig, only=("data_path", "data_split", "data_output_path",
+                                                 "unsupervised_dataset_name"))
+    config.add_block(p, config.RolloutConfig)
+    config.add_block(p, config.OptimConfig, prefixes=ACTOR_CRITIC,
+                     defaults={"actor_learning_rate": 9.65e-6, "critic_learning_rate": 5e-6, "num_warmup_steps": 100})
+    config.add_block(p, config.PPOConfig)
+    config.add_block(p, config.SamplingConfig)
+    config.add_block(p, config.ZeroConfig, prefixes=ACTOR_CRITIC)
+    config.add_block(p, config.HybridEngineConfig)
+    config.add_block(p, config.LogConfig)
+    config.add_block(p, config.CheckpointConfig)
     return p
 
 
@@ -138,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
     from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
-    from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
+    from chatrl.step3_ppo.trainer import PPOTrainer, summarize
 
     set_progress("step 3 (PPO)")
     info = dist.init_distributed()
@@ -158,17 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
     loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_generation_batch_size, sampler=sampler,
                                          collate_fn=PromptCollator(tokenizer.pad_token_id), drop_last=True,
                                          generator=torch.Generator().manual_seed(args.seed))
-    steps_per_epoch = len(loader) // args.generation_batches
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(data.train)} step-3 prompts give no experience buffer of "
-                         f"{args.generation_batches} × {args.per_device_generation_batch_size} per rank × "
-                         f"{info.world_size} ranks; lower --per_device_generation_batch_size")
-    total_buffers = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_buffers = min(total_buffers, args.max_steps)
-    micro_per_buffer = -(-args.generation_batches * args.per_device_generation_batch_size
-                         // args.per_device_training_batch_size)
-    total_opt_steps = total_buffers * args.ppo_epochs * micro_per_buffer // args.gradient_accumulation_steps
+    plan = dist.plan_ppo(len(loader), len(data.train), info.world_size, args.per_device_generation_batch_size,
+                         args.per_device_training_batch_size, args.generation_batches, args.ppo_epochs,
+                         args.gradient_accumulation_steps, args.num_train_epochs, args.max_steps,
+                         args.num_warmup_steps, ptx=bool(args.unsupervised_dataset_name))
+    steps_per_epoch, total_buffers = plan.buffers_per_epoch, plan.total_buffers
 
     ptx_iter = None
     if args.unsupervised_dataset_name:
@@ -182,13 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
             generator=torch.Generator().manual_seed(args.seed))
         ptx_iter = Cycle(ptx_loader, info.device)
 
-    engines = build_engines(args, tokenizer, info, total_opt_steps)
+    engines = build_engines(args, tokenizer, info, plan.actor_steps, plan.critic_steps)
     hybrid, generate = make_generate(engines.actor, args, tokenizer)
     kl_ctl = (core.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon)
               if args.kl_ctl == "adaptive" else core.FixedKLController(args.init_kl_coef))
-    settings = PPOSettings(args.kl_estimator, args.clip_reward_value, args.cliprange, args.cliprange_value, args.gamma,
-                           args.lam, args.whiten_advantages, args.ppo_epochs, args.per_device_training_batch_size,
-                           args.penalty_no_eos, args.unsup_coef, args.ema_beta)
+    settings = config.from_args(config.PPOConfig, args)
     reward_engine = engines.reward
 
     step = 0
@@ -243,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
                     stats[k] = stats.get(k, 0.0) + float(v) / args.generation_batches
             step += 1
             set_progress(optimizer_step=step)
-            rollouts = args.generation_batches * args.per_device_generation_batch_size * info.world_size
+            rollouts = plan.rollouts_per_buffer
             samples += rollouts
             metrics = reduce_stats(stats)
             if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing

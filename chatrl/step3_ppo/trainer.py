@@ -24,28 +24,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from chatrl.config import PPOConfig
 from chatrl.step3_ppo import core
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``score_fn(sequences (B, T), attention_mask (B, T), prompt_len) -> scores (B,)``."""
-
-
-@dataclass
-class PPOSettings:
-    """The PPO hyper-parameters (DeepSpeed-Chat's defaults; see ``docs/ppo.md``)."""
-
-    kl_kind: str = "k1"
-    clip_reward_value: float = 5.0
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = False
-    ppo_epochs: int = 1
-    micro_batch: int = 4
-    penalty_no_eos: float = 0.0
-    unsup_coef: float = 27.8
-    ema_beta: float = 0.992
 
 
 @dataclass
@@ -101,6 +84,7 @@ class PPOTrainer:
         score_fn: the reward, see :data:`ScoreFn` (a reward model's end score, or a rule).
         generate: ``generate(input_ids, attention_mask) -> sequences (B, P + A)`` (the hybrid engine).
         kl_controller: :class:`core.FixedKLController` or :class:`core.AdaptiveKLController`.
+        settings: the PPO block of the configuration (``config.from_args(PPOConfig, args)``).
         eos_token_id, pad_token_id: the actor tokenizer's ids.
         ema: optional EMA copy of the actor, updated after every actor step (ZeRO-3 partitions are
             averaged in place, no gather).
@@ -108,11 +92,12 @@ class PPOTrainer:
             inference copy stale there).
     """
 
-    def __init__(self, actor, critic, reference, score_fn: ScoreFn, generate, kl_controller, settings: PPOSettings,
+    def __init__(self, actor, critic, reference, score_fn: ScoreFn, generate, kl_controller, settings: PPOConfig,
                  eos_token_id: int, pad_token_id: int, ema=None, on_actor_step: Callable[[], None] | None = None):
         self.actor, self.critic, self.reference = actor, critic, reference
         self.score_fn, self.generate = score_fn, generate
         self.kl_ctl, self.s = kl_controller, settings
+        self.mb = settings.per_device_training_batch_size
         self.eos, self.pad = eos_token_id, pad_token_id
         self.ema, self.on_actor_step = ema, on_actor_step
         for m in (actor, critic, reference, ema):
@@ -133,8 +118,8 @@ class PPOTrainer:
         mask = torch.cat([prompt_mask, action_mask], dim=1)
 
         parts = {k: [] for k in ("logp", "ref_logp", "values", "entropy")}
-        for i in range(0, seq.shape[0], self.s.micro_batch):
-            s, m = seq[i:i + self.s.micro_batch], mask[i:i + self.s.micro_batch]
+        for i in range(0, seq.shape[0], self.mb):
+            s, m = seq[i:i + self.mb], mask[i:i + self.mb]
             logits = answer_logits(self.actor, s, m, P)
             parts["logp"].append(core.logprobs_from_logits(logits, s[:, P:]))
             parts["entropy"].append(core.entropy_from_logits(logits))
@@ -147,7 +132,7 @@ class PPOTrainer:
         if self.s.penalty_no_eos:
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
         rewards, kl = core.compute_rewards(scores, out["logp"], out["ref_logp"], action_mask, self.kl_ctl.value,
-                                           self.s.clip_reward_value, self.s.kl_kind)
+                                           self.s.clip_reward_value, self.s.kl_estimator)
         advantages, returns = core.gae(out["values"], rewards, action_mask, self.s.gamma, self.s.lam)
         if self.s.whiten_advantages:
             advantages = core.masked_whiten(advantages, action_mask)
@@ -196,8 +181,8 @@ class PPOTrainer:
         n = 0
         ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
         for _ in range(self.s.ppo_epochs):
-            for i in range(0, exp.sequences.shape[0], self.s.micro_batch):
-                part = exp.rows(slice(i, i + self.s.micro_batch))
+            for i in range(0, exp.sequences.shape[0], self.mb):
+                part = exp.rows(slice(i, i + self.mb))
                 stats = {**self.train_actor(part), **self.train_critic(part)}
                 if ptx_iter is not None:
                     stats.update(self.train_ptx(next(ptx_iter)))

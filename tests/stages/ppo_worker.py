@@ -15,6 +15,7 @@ import os
 import torch
 
 from chatrl import dist
+from chatrl.config import PPOConfig
 from chatrl.data import PromptCollator, build_phase_data
 from chatrl.dist import shutdown
 from chatrl.models import load_tokenizer
@@ -22,7 +23,7 @@ from chatrl.step2_reward.model import load_reward_model, save_reward_model
 from chatrl.step3_ppo import core
 from chatrl.step3_ppo.engine import build_engines
 from chatrl.step3_ppo.main import build_parser, make_generate, reduce_stats
-from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
+from chatrl.step3_ppo.trainer import PPOTrainer, summarize
 from tests.conftest import DATA, STORIES
 
 
@@ -52,7 +53,7 @@ def main():
         "--init_kl_coef", "0.3", *(["--enable_hybrid_engine"] if a.hybrid else [])])
     data = build_phase_data(3, args.data_path, tok, max_prompt_len=args.max_prompt_seq_len,
                             cache_dir=os.path.join(a.work, "cache"))
-    engines = build_engines(args, tok, info, total_steps=a.steps)
+    engines = build_engines(args, tok, info, a.steps)
     hybrid, generate = make_generate(engines.actor, args, tok)
     letter_e = torch.tensor(["e" in tok.convert_ids_to_tokens(i) for i in range(len(tok))])
 
@@ -61,7 +62,7 @@ def main():
         hits = letter_e[answer.clamp(max=len(tok) - 1)] & m
         return 5.0 * hits.sum(1).float() / m.sum(1).clamp(min=1)
 
-    settings = PPOSettings(micro_batch=32, whiten_advantages=True, ppo_epochs=2)
+    settings = PPOConfig(per_device_training_batch_size=32, whiten_advantages=True, ppo_epochs=2)
     trainer = PPOTrainer(engines.actor, engines.critic, engines.reference, score_fn, generate,
                          core.FixedKLController(args.init_kl_coef), settings, tok.eos_token_id, tok.pad_token_id,
                          on_actor_step=hybrid.mark_weights_stale)

@@ -1,0 +1,312 @@
+"""Every setting of every program, declared once: type, default, unit and a one-line doc.
+
+A *block* is a dataclass for one concern (model, LoRA, data, optimisation, ZeRO, hybrid engine,
+sampling, rollouts, PPO, logging, checkpoints). Each field is declared with :func:`setting`; a
+program's command-line parser is generated from the blocks it uses by :func:`add_block`, and a
+typed block is read back from the parsed flags by :func:`from_args`. Flag names are the field
+names (DeepSpeed-Chat's where it has the concept); the dash spelling (``--zero-stage``) is
+accepted too.
+
+A field is either *shared* (one flag per program: ``--dtype``) or *per model*
+(``per_model=True``): step 3 composes a block for the actor and the critic with
+``prefixes=("actor_", "critic_")``, which gives ``--actor_learning_rate`` and
+``--critic_learning_rate`` next to one shared ``--lr_scheduler_type``. A program overrides a
+default (step 1's learning rate is not step 2's) with ``defaults={"learning_rate": 1e-3}`` where
+it composes the block: the help, unit and type stay those declared here.
+
+A new program declares its flags like this::
+
+    from chatrl import config
+
+    def build_parser():
+        p = config.new_parser("my step", prog="python -m chatrl.my_step")
+        config.add_block(p, config.ModelConfig)
+        config.add_block(p, config.OptimConfig, defaults={"learning_rate": 5e-7})
+        config.add_block(p, MyStepConfig)  # its own @dataclass of setting(...) fields
+        return p
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+REQUIRED: Any = object()
+"""Default of a flag that must be given."""
+
+
+def setting(default: Any, help: str, *, unit: str | None = None, choices: tuple | None = None,
+            nargs: str | None = None, per_model: bool = False, type: Any = None):
+    """A block field: its default, one-line help, unit (shown in ``--help``), allowed values, and
+    whether it exists once per trained model (``per_model``) when a block is composed with prefixes.
+
+    ``default=REQUIRED`` makes the flag required. A ``bool`` default of False makes a switch
+    (``store_true``). ``nargs`` as in argparse (list values). ``type`` overrides the element type
+    inferred from the default (needed when the default is ``None``).
+    """
+    meta = {"help": help, "unit": unit, "choices": choices, "nargs": nargs, "per_model": per_model, "type": type}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=None if default is REQUIRED else default, metadata={**meta, "required": default is REQUIRED})
+
+
+# ----------------------------------------------------------------------------------------- blocks
+@dataclass
+class ModelConfig:
+    """The model to load and how to hold it."""
+
+    model_name_or_path: str = setting(REQUIRED, "HF hub name or local folder of a causal LM", per_model=True, type=str)
+    dtype: str = setting("fp32", "dtype of the weights (training and inference)", choices=("fp32", "bf16", "fp16"))
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward", per_model=True)
+    dropout: float | None = setting(None, "override every dropout probability in the model config "
+                                          "(unset: keep the config's)", unit="probability", per_model=True, type=float)
+    trust_remote_code: bool = setting(False, "allow model code from the hub (off: safer)")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft)."""
+
+    lora_dim: int = setting(0, "LoRA rank; 0 disables LoRA", per_model=True)
+    lora_module_name: str = setting("layers.", "LoRA wraps every nn.Linear whose qualified name contains this text",
+                                    per_model=True)
+    only_optimize_lora: bool = setting(False, "freeze all but the LoRA weights")
+    lora_learning_rate: float = setting(5e-4, "learning rate of the LoRA weights", per_model=True)
+
+
+@dataclass
+class DataConfig:
+    """Where the data comes from and how it is split and cut."""
+
+    data_path: list = setting(REQUIRED, "hub data set names and/or local .jsonl/.json/.parquet files or folders "
+                                        "(optionally .gz, optionally with a row slice 'path[a:b]'); several are "
+                                        "blended", nargs="+", type=str)
+    data_split: str = setting("2,4,4", "relative shares of each preference data set for steps 1,2,3 "
+                                       "(DeepSpeed-Chat style)")
+    data_output_path: str = setting(os.path.join(os.environ.get("TMPDIR", "/tmp"), "chatrl_data"),
+                                    "tokenized-data cache folder (keyed by a hash of every input)")
+    eval_data_path: list | None = setting(None, "explicit eval sources; by default a held-out share of each phase "
+                                                "is used", nargs="*", type=str)
+    eval_fraction: float = setting(0.05, "share of each phase held out for eval", unit="fraction")
+    max_seq_len: int = setting(512, "max tokens of prompt + answer", unit="tokens")
+    unsupervised_dataset_name: list | None = setting(None, "step 3: text for the PTX loss (step-1 style data); "
+                                                           "unset: no PTX loss", nargs="*", type=str)
+
+
+@dataclass
+class BatchConfig:
+    """Batch sizes of steps 1-2 (step 3's are in :class:`RolloutConfig` and :class:`PPOConfig`)."""
+
+    per_device_train_batch_size: int = setting(4, "micro-batch per rank", unit="samples")
+    per_device_eval_batch_size: int = setting(8, "eval batch per rank", unit="samples")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, schedule and length of training."""
+
+    learning_rate: float = setting(1e-3, "peak learning rate", per_model=True)
+    weight_decay: float = setting(0.0, "AdamW weight decay (not on biases / norms)", per_model=True)
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
+    num_train_epochs: int = setting(1, "passes over the training split (step 3: over the prompts)")
+    max_steps: int = setting(0, "stop after this many optimizer steps (step 3: experience buffers); 0: no limit",
+                             unit="steps")
+    lr_scheduler_type: str = setting("cosine", "learning-rate schedule (transformers.get_scheduler)",
+                                     choices=("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                                              "constant_with_warmup"))
+    num_warmup_steps: int = setting(0, "linear warm-up of the learning rate", unit="optimizer steps")
+    gradient_clipping: float = setting(1.0, "global gradient-norm clip (0: off)")
+    seed: int = setting(1234, "seed of data order, splits and initialisation")
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO and placement."""
+
+    zero_stage: int = setting(0, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3), per_model=True)
+    offload: bool = setting(False, "ZeRO-Offload: optimizer states (and stage-3 params) to CPU")
+    offload_reference_model: bool = setting(False, "step 3: reference model's parameters on CPU (with ZeRO-3)")
+    offload_reward_model: bool = setting(False, "step 3: reward model's parameters on CPU (with ZeRO-3)")
+    local_rank: int = setting(-1, "set by the DeepSpeed launcher; ignore")
+
+
+@dataclass
+class HybridEngineConfig:
+    """The actor's inference layout for generation (see docs/hybrid_engine.md)."""
+
+    enable_hybrid_engine: bool = setting(False, "generate with the hybrid engine (gathered/TP-sharded copy, KV cache)")
+    inference_tp_size: int = setting(1, "tensor-parallel ranks per generation group", unit="ranks")
+    tp_gather_partition_size: int = setting(8, "decoder layers per ZeRO-3 all-gather when building the copy",
+                                            unit="layers")
+    release_inference_cache: bool = setting(False, "free the inference copy after each rollout (ZeRO-3 memory back "
+                                                   "for training; rebuilt at the next rollout)")
+    unpin_actor_parameters: bool = setting(False, "accepted for DeepSpeed-Chat compatibility and ignored")
+
+
+@dataclass
+class SamplingConfig:
+    """How answers are sampled."""
+
+    temperature: float = setting(1.0, "sampling temperature")
+    top_k: int = setting(0, "sample among the k most likely tokens (0: off)", unit="tokens")
+    top_p: float = setting(1.0, "nucleus sampling mass (1: off)", unit="probability")
+
+
+@dataclass
+class RolloutConfig:
+    """Step 3's prompts and answers: sizes of one experience buffer."""
+
+    max_prompt_seq_len: int = setting(256, "prompt tokens (longer prompts keep their end)", unit="tokens")
+    max_answer_seq_len: int = setting(256, "generated tokens per answer", unit="tokens")
+    per_device_generation_batch_size: int = setting(4, "prompts per rank per generation", unit="prompts")
+    generation_batches: int = setting(1, "generation batches per experience buffer")
+    print_answers: bool = setting(False, "print a prompt and its answer every --print_answers_interval steps")
+    print_answers_interval: int = setting(10, "steps between printed answers", unit="steps")
+
+
+@dataclass
+class PPOConfig:
+    """The PPO hyper-parameters (DeepSpeed-Chat's defaults; see docs/ppo.md). What the trainer takes."""
+
+    per_device_training_batch_size: int = setting(4, "rollouts per PPO micro-batch (also of the experience passes)",
+                                                  unit="rollouts")
+    ppo_epochs: int = setting(1, "passes over each experience buffer")
+    init_kl_coef: float = setting(0.1, "beta of the per-token KL penalty")
+    kl_ctl: str = setting("fixed", "KL coefficient controller (adaptive: Ziegler et al. 2019)",
+                          choices=("fixed", "adaptive"))
+    kl_target: float = setting(6.0, "adaptive controller's target KL", unit="nats per answer")
+    kl_horizon: float = setting(10000.0, "adaptive controller's horizon", unit="rollouts")
+    kl_estimator: str = setting("k1", "per-token KL estimator (Schulman's k1/k3, |log r|, squared)",
+                                choices=("k1", "k3", "abs", "mse"))
+    clip_reward_value: float = setting(5.0, "scores are clipped to +-this before the KL penalty")
+    cliprange: float = setting(0.2, "PPO policy ratio clip epsilon")
+    cliprange_value: float = setting(0.2, "value clip around the experience's values")
+    gamma: float = setting(1.0, "discount factor of GAE")
+    lam: float = setting(0.95, "lambda of GAE")
+    whiten_advantages: bool = setting(False, "normalise advantages over the buffer's answer tokens")
+    penalty_no_eos: float = setting(0.0, "subtracted from the score of answers without EOS")
+    unsup_coef: float = setting(27.8, "PTX loss coefficient (with --unsupervised_dataset_name)")
+    enable_ema: bool = setting(False, "keep an exponential moving average of the actor (saved as actor_ema/)")
+    ema_beta: float = setting(0.992, "EMA decay per actor optimizer step")
+
+
+@dataclass
+class LogConfig:
+    """Output folder, metrics and progress."""
+
+    output_dir: str = setting(REQUIRED, "folder of the HF-format result, its logs and checkpoints", type=str)
+    overwrite_output_dir: bool = setting(False, "allow replacing a finished run's output")
+    eval_interval: int = setting(0, "evaluate every N optimizer steps (0: per epoch only)", unit="steps")
+    log_interval: int = setting(1, "log training metrics every N optimizer steps", unit="steps")
+    enable_tensorboard: bool = setting(False, "also write TensorBoard events")
+    tensorboard_path: str | None = setting(None, "TensorBoard folder (unset: OUTPUT_DIR/logs/tb)", type=str)
+    disable_progress_bar: bool = setting(False, "no tqdm bar on rank 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Resumable checkpoints and fault handling."""
+
+    save_interval: int = setting(0, "write a resumable checkpoint every N optimizer steps to OUTPUT_DIR/checkpoints "
+                                    "(0: off)", unit="steps")
+    save_total_limit: int = setting(2, "keep only the newest N checkpoints (N >= 1)")
+    resume: bool = setting(False, "continue from the newest complete checkpoint, if any")
+    resume_from_checkpoint: str | None = setting(None, "continue from this checkpoint folder "
+                                                       "(OUTPUT_DIR/checkpoints/step_N); wins over --resume", type=str)
+    stop_after_steps: int = setting(0, "testing: stop after N optimizer steps without the final save, as a crash "
+                                       "would", unit="steps")
+    max_nonfinite_steps: int = setting(10, "steps with non-finite loss or gradients are skipped; stop (with a "
+                                           "checkpoint) after this many in a row (0: never stop)", unit="steps")
+    debug_nonfinite_steps: list = setting([], "testing: make the loss NaN at these steps (tests the non-finite "
+                                              "guard)", nargs="*", type=int)
+
+
+# ------------------------------------------------------------------------------------- generation
+def new_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """An empty parser whose ``--help`` shows every flag's default."""
+    return argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def _flag_names(block, prefixes: tuple[str, ...], only, exclude):
+    for f in fields(block):
+        if (only is not None and f.name not in only) or (exclude and f.name in exclude):
+            continue
+        for prefix in (prefixes if f.metadata.get("per_model") and prefixes else ("",)):
+            yield f, prefix + f.name
+
+
+def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = (), only=None, exclude=None,
+              defaults: dict | None = None, title: str | None = None) -> argparse._ArgumentGroup:
+    """Add the flags of ``block`` (a dataclass of :func:`setting` fields) as one argument group.
+
+    Args:
+        prefixes: with several trained models (step 3: ``("actor_", "critic_")``), each
+            ``per_model`` field becomes one flag per prefix; shared fields stay one flag.
+        only, exclude: field names to keep / drop (a program uses part of a block).
+        defaults: flag name → default for this program (e.g. ``{"actor_learning_rate": 9.65e-6}``).
+        title: the group's title in ``--help`` (default: the block's docstring).
+
+    Raises:
+        ValueError: a key of ``defaults`` that is not a flag of this block.
+    """
+    defaults = dict(defaults or {})
+    g = p.add_argument_group(title or (block.__doc__ or block.__name__).strip().splitlines()[0])
+    for f, name in _flag_names(block, prefixes, only, exclude):
+        m = f.metadata
+        default = f.default_factory() if f.default is MISSING else f.default
+        default = defaults.pop(name, default)
+        who = name[:-len(f.name)].rstrip("_")
+        help_text = m["help"] + (f" [{who}]" if who else "") + (f" ({m['unit']})" if m.get("unit") else "")
+        names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        kwargs: dict = {"dest": name, "help": help_text}
+        if m.get("required"):
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+        if isinstance(default, bool) and not m.get("type"):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = m.get("type") or type(default)
+            if m.get("choices"):
+                kwargs["choices"] = list(m["choices"])
+            if m.get("nargs"):
+                kwargs["nargs"] = m["nargs"]
+        g.add_argument(*names, **kwargs)
+    if defaults:
+        raise ValueError(f"defaults for unknown flags of {block.__name__}: {sorted(defaults)}")
+    return g
+
+
+def from_args(block, args: argparse.Namespace, prefix: str = ""):
+    """The typed ``block`` read from parsed flags: ``per_model`` fields from ``PREFIX + name``,
+    shared ones from ``name``; fields the program does not have keep their declared default."""
+    values = {}
+    for f in fields(block):
+        name = (prefix + f.name) if f.metadata.get("per_model") else f.name
+        if hasattr(args, name):
+            values[f.name] = getattr(args, name)
+    return block(**values)
+
+
+def to_argv(parser: argparse.ArgumentParser, values: dict) -> list[str]:
+    """Command-line flags for ``values`` (flag name → value), checked against ``parser``.
+
+    ``True`` gives the bare switch, ``False``/``None`` omit the flag, a list gives its items.
+
+    Raises:
+        KeyError: a name that is not one of ``parser``'s flags.
+    """
+    known = {a.dest for a in parser._actions}
+    out: list[str] = []
+    for name, value in values.items():
+        if name not in known:
+            raise KeyError(f"{name}: not a flag of {parser.prog}")
+        if value is None or value is False:
+            continue
+        out.append(f"--{name}")
+        if value is not True:
+            out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return out
