@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl.cli import RUN_MARKER
+from chatrl.checkpoint import RUN_MARKER, list_checkpoints
+from chatrl.cli import normalize_argv
 from chatrl.config import add_block, setting, to_argv
-from chatrl.dist import free_port, list_checkpoints
+from chatrl.dist import free_port
 from chatrl.tracking import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent
@@ -270,7 +271,9 @@ def _worth_showing(line: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    known = {x.dest for x in parser._actions}
+    a = parser.parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv), known))
     out = Path(a.output_dir).resolve()
     if a.preset == "demo":
         for needed in (SHARED / "models" / "stories260K", SHARED / "data" / "hh-rlhf"):

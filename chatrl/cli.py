@@ -8,22 +8,25 @@ are accepted: ``--per_device_train_batch_size`` and ``--per-device-train-batch-s
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 from chatrl import config
+from chatrl.checkpoint import COMPLETE
 
-RUN_MARKER = "chatrl_run.json"
 
+def normalize_argv(argv: list[str], known: set[str] | None = None) -> list[str]:
+    """Rewrite ``--dash-style`` flag names to ``--snake_style`` (values are left alone).
 
-def normalize_argv(argv: list[str]) -> list[str]:
-    """Rewrite ``--dash-style`` flag names to ``--snake_style`` (values are left alone)."""
+    With ``known`` (flag names without ``--``), only tokens naming one of them are rewritten, so
+    a value that looks like flags (train.py's ``--step1-args "--a-b 1"``) is passed on untouched.
+    """
     out = []
     for tok in argv:
         if tok.startswith("--") and len(tok) > 2:
             name, eq, value = tok.partition("=")
-            tok = "--" + name[2:].replace("-", "_") + eq + value
+            snake = name[2:].replace("-", "_")
+            if known is None or (snake in known and " " not in name):
+                tok = "--" + snake + eq + value
         out.append(tok)
     return out
 
@@ -58,8 +61,6 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     if resume_from and not os.path.isdir(resume_from):
         parser.error(f"--resume_from_checkpoint {resume_from}: no such folder")
     if resume_from:
-        from chatrl.dist import COMPLETE
-
         if not os.path.isfile(os.path.join(resume_from, COMPLETE)):
             parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no {COMPLETE}); "
                          "give one OUTPUT_DIR/checkpoints/step_N folder, or use --resume for the newest")
@@ -98,37 +99,3 @@ def add_log_args(p: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     config.add_block(p, config.CheckpointConfig)
-
-
-def resume_path(args) -> str | None:
-    """The checkpoint to resume from: ``--resume_from_checkpoint``, else with ``--resume`` the newest
-    complete one under ``OUTPUT_DIR/checkpoints``, else None."""
-    if args.resume_from_checkpoint:
-        return args.resume_from_checkpoint
-    if args.resume:
-        from chatrl.dist import list_checkpoints
-
-        found = list_checkpoints(args.output_dir)
-        return str(found[-1]) if found else None
-    return None
-
-
-def check_output_dir(output_dir: str, overwrite: bool) -> None:
-    """Refuse to start when ``output_dir`` holds a finished run, unless ``--overwrite_output_dir``.
-
-    Raises:
-        FileExistsError: naming the folder and the flag.
-    """
-    marker = Path(output_dir) / RUN_MARKER
-    if marker.exists() and not overwrite:
-        raise FileExistsError(
-            f"{output_dir} already holds a finished run ({RUN_MARKER}); pass --overwrite_output_dir to replace it "
-            "or choose another --output_dir")
-
-
-def write_run_marker(output_dir: str, info: dict) -> None:
-    """Record a finished run (its step, flags and final metrics) as the last file written."""
-    path = Path(output_dir) / RUN_MARKER
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
-    os.replace(tmp, path)

@@ -4,8 +4,8 @@ A *block* is a dataclass for one concern (model, LoRA, data, optimisation, ZeRO,
 sampling, rollouts, PPO, logging, checkpoints). Each field is declared with :func:`setting`; a
 program's command-line parser is generated from the blocks it uses by :func:`add_block`, and a
 typed block is read back from the parsed flags by :func:`from_args`. Flag names are the field
-names (DeepSpeed-Chat's where it has the concept); the dash spelling (``--zero-stage``) is
-accepted too.
+names (DeepSpeed-Chat's where it has the concept); :func:`chatrl.cli.parse` also accepts the
+dash spelling (``--zero-stage``).
 
 A field is either *shared* (one flag per program: ``--dtype``) or *per model*
 (``per_model=True``): step 3 composes a block for the actor and the critic with
@@ -260,7 +260,6 @@ def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = 
         default = defaults.pop(name, default)
         who = name[:-len(f.name)].rstrip("_")
         help_text = m["help"] + (f" [{who}]" if who else "") + (f" ({m['unit']})" if m.get("unit") else "")
-        names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         kwargs: dict = {"dest": name, "help": help_text}
         if m.get("required"):
             kwargs["required"] = True
@@ -274,7 +273,7 @@ def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = 
                 kwargs["choices"] = list(m["choices"])
             if m.get("nargs"):
                 kwargs["nargs"] = m["nargs"]
-        g.add_argument(*names, **kwargs)
+        g.add_argument(f"--{name}", **kwargs)
     if defaults:
         raise ValueError(f"defaults for unknown flags of {block.__name__}: {sorted(defaults)}")
     return g

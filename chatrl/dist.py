@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import math
 import os
@@ -161,6 +160,29 @@ def eval_batches(dataset, collate, batch_size: int, rank: int, world: int):
         chunk = idx[i:i + batch_size]
         batch = collate([dataset[max(j, 0)] for j in chunk])
         yield batch, torch.tensor([j >= 0 for j in chunk])
+
+
+def seeded_loader(dataset, batch_size: int, collate, info: DistInfo, seed: int, drop_last: bool = False,
+                  shuffle: bool = True) -> torch.utils.data.DataLoader:
+    """This rank's shuffled share of ``dataset`` (a ``DistributedSampler`` seeded with ``seed``).
+
+    The loader has its own seeded generator: creating an iterator must not draw from the global
+    RNG, so a resumed run sees exactly the batches and random numbers of an uninterrupted one.
+    """
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
+                                                  shuffle=shuffle, seed=seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
+                                       drop_last=drop_last, generator=torch.Generator().manual_seed(seed))
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (not its peak), in MiB (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except OSError:
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @dataclass(frozen=True)
@@ -490,128 +512,3 @@ def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("saved HF model to %s", out)
     barrier()
-
-
-CHECKPOINT_DIR = "checkpoints"
-COMPLETE = "complete.json"
-
-
-def _rng_state() -> dict:
-    import random
-
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import random
-
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(engines: dict, output_dir: str | os.PathLike, step: int, state: dict,
-                    keep: int = 2, write_extra=None) -> Path:
-    """Write a resumable checkpoint of ``engines`` (name → DeepSpeed engine) at optimizer step ``step``.
-
-    Every rank writes its ZeRO partitions and RNG state into ``OUTPUT/checkpoints/.tmp-step_N``;
-    after a barrier rank 0 writes ``complete.json`` (``state``: counters, loader position…) and
-    renames the folder to ``step_N`` in one atomic rename, then keeps only the newest ``keep``
-    checkpoints. A crash at any point leaves earlier checkpoints intact and no ``step_N`` folder
-    without ``complete.json``. ``write_extra(folder)``, if given, runs on every rank before the
-    final barrier (per-rank files of the caller's own). All ranks must call it.
-    """
-    root = Path(output_dir) / CHECKPOINT_DIR
-    tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
-    if is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(str(tmp / name), tag="state", save_latest=False)
-    torch.save(_rng_state(), tmp / f"rng_rank{get_rank()}.pt")
-    if write_extra is not None:
-        write_extra(tmp)
-    barrier()
-    if is_main():
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, **state}, default=str))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(list_checkpoints(output_dir), key=lambda p: int(p.name[5:]))[:-keep or None]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``OUTPUT/checkpoints``, oldest first (half-written ones are skipped)."""
-    root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.glob("step_*"):
-        if p.name[5:].isdigit() and (p / COMPLETE).is_file():
-            found.append(p)
-        elif p.is_dir():
-            log.warning("skipping incomplete checkpoint %s (no %s)", p, COMPLETE)
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-#: DeepSpeed's own classes inside its engine checkpoints, allowed by the weights-only unpickler.
-_DS_CHECKPOINT_CLASSES = (("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                          ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-                          ("deepspeed.utils.tensor_fragment", "fragment_address"))
-
-
-@contextlib.contextmanager
-def _weights_only_loads(engine):
-    """Make ``engine``'s checkpoint reads use ``torch.load(weights_only=True)``.
-
-    DeepSpeed's torch checkpoint engine unpickles with ``weights_only=False`` (any code in a
-    file runs). Its engine checkpoints hold tensors, plain containers and three DeepSpeed data
-    classes, which are allowed here and nothing else.
-    """
-    import importlib
-
-    ckpt_engine = getattr(engine, "checkpoint_engine", None)
-    if ckpt_engine is None:
-        yield
-        return
-    allowed = [getattr(importlib.import_module(m), n) for m, n in _DS_CHECKPOINT_CLASSES]
-
-    def load(path, map_location=None):
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-    ckpt_engine.load = load
-    try:
-        yield
-    finally:
-        del ckpt_engine.load  # back to the class's method
-
-
-def load_checkpoint(engines: dict, path: str | os.PathLike) -> dict:
-    """Restore ``engines`` (models, optimizers, schedulers) and this rank's RNG from ``path``.
-
-    Every file is read with ``torch.load(weights_only=True)`` (DeepSpeed's engine files too):
-    nothing in a checkpoint can run code.
-
-    Returns the ``state`` dict saved with it (``step`` included).
-
-    Raises:
-        FileNotFoundError: ``path`` is not a complete checkpoint.
-    """
-    path = Path(path)
-    if not (path / COMPLETE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete chatrl checkpoint (no {COMPLETE})")
-    for name, engine in engines.items():
-        with _weights_only_loads(engine):
-            engine.load_checkpoint(str(path / name), tag="state")
-    rng = path / f"rng_rank{get_rank()}.pt"
-    if rng.exists():
-        _set_rng_state(torch.load(rng, weights_only=True))
-    return json.loads((path / COMPLETE).read_text())

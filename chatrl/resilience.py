@@ -1,4 +1,4 @@
-"""Faults during training: non-finite steps, resumable checkpoints of a training loop, and a failing rank.
+"""Faults during training: non-finite steps and a failing rank (checkpoints: :mod:`chatrl.checkpoint`).
 
 * :func:`skip_nonfinite_steps` makes an optimizer skip a step whose gradients are not finite.
   DeepSpeed's ZeRO 1–3 optimizers already do (they report it as ``optimizer.overflow`` and the
@@ -7,8 +7,7 @@
 * :class:`NonFiniteGuard` watches the engines of a step: a training step with a skipped optimizer
   step is counted, and ``max_in_a_row`` such steps in a row raise :class:`NonFiniteError` (the
   caller writes a checkpoint of the last good weights first: a skipped step changes nothing).
-* :class:`LoopCheckpoints` is the ``--save_interval`` / ``--resume`` / non-finite logic the three
-  steps share; :func:`batches_from` puts a data loader at a resumed step's first batch.
+* :func:`nonfinite_scores` is the ``--debug_nonfinite_steps`` testing hook of step 3 (NaN scores).
 * :func:`report_failure` turns an exception on a rank into one line naming the rank, the step and
   the optimizer step reached, before the exception ends the process with a non-zero code (the
   launcher then stops the other ranks).
@@ -96,115 +95,17 @@ class NonFiniteGuard:
         return True
 
 
-class LoopCheckpoints:
-    """``--save_interval`` / ``--save_total_limit`` / ``--resume`` for one step's training loop.
+def nonfinite_scores(score_fn, steps: list[int], current_step):
+    """Testing hook (``--debug_nonfinite_steps``): ``score_fn`` whose scores are NaN while
+    ``current_step()`` is one of ``steps``; ``score_fn`` itself when ``steps`` is empty."""
+    if not steps:
+        return score_fn
 
-    Args:
-        args: parsed flags with ``output_dir``, ``save_interval``, ``save_total_limit``, ``resume``,
-            ``resume_from_checkpoint``.
-        engines: name → DeepSpeed engine saved in every checkpoint (models, optimizers, schedulers).
-        extra_modules: name → ``torch.nn.Module`` without optimizer saved too (step 3's EMA actor),
-            as per-rank safetensors of its (ZeRO-3: local) parameters.
-    """
+    def scores(seq, mask, prompt_len):
+        out = score_fn(seq, mask, prompt_len)
+        return out * float("nan") if current_step() in steps else out
 
-    def __init__(self, args, engines: dict, extra_modules: dict | None = None):
-        self.args, self.engines, self.extra = args, engines, extra_modules or {}
-        self.guard = NonFiniteGuard(engines, args.max_nonfinite_steps)
-
-    @property
-    def skipped(self) -> int:
-        """Optimizer steps skipped so far for non-finite loss or gradients (this run)."""
-        return self.guard.skipped
-
-    def after_step(self, step: int, state: dict) -> bool:
-        """Record training step ``step`` with the non-finite guard; True when it was skipped.
-
-        Raises:
-            NonFiniteError: ``--max_nonfinite_steps`` bad steps in a row; a checkpoint of the
-                current (last good) weights with ``state`` is written first.
-        """
-        try:
-            return self.guard.after_step(step)
-        except NonFiniteError:
-            self.save(step, {**state, "stopped": "non-finite"})
-            raise
-
-    def save_if_due(self, step: int, total_steps: int, state: dict) -> None:
-        """Write the periodic checkpoint of training step ``step`` when :meth:`due`."""
-        if self.due(step, total_steps):
-            self.save(step, state)
-
-    def resume(self) -> dict | None:
-        """Load the checkpoint ``--resume``/``--resume_from_checkpoint`` point to; returns its state or None.
-
-        The state holds ``step`` and what the caller saved with it.
-
-        Raises:
-            FileNotFoundError: ``--resume_from_checkpoint`` is not a complete checkpoint.
-        """
-        from chatrl import cli, dist
-
-        path = cli.resume_path(self.args)
-        if path is None:
-            if self.args.resume:
-                log.info("--resume: no complete checkpoint under %s/checkpoints; starting from scratch",
-                         self.args.output_dir)
-            return None
-        state = dist.load_checkpoint(self.engines, path)
-        for name, module in self.extra.items():
-            _load_local_params(module, os.path.join(path, f"{name}_rank{dist.get_rank()}.safetensors"))
-        state["path"] = str(path)
-        return state
-
-    def due(self, step: int, total_steps: int) -> bool:
-        """A periodic checkpoint is due after training step ``step`` (never after the last one)."""
-        return bool(self.args.save_interval) and step % self.args.save_interval == 0 and step < total_steps
-
-    def save(self, step: int, state: dict) -> None:
-        """Write a checkpoint of training step ``step`` with ``state`` (JSON-serialisable). All ranks call it."""
-        from chatrl import dist
-
-        def write_extra(folder):
-            for name, module in self.extra.items():
-                _save_local_params(module, os.path.join(folder, f"{name}_rank{dist.get_rank()}.safetensors"))
-
-        dist.save_checkpoint(self.engines, self.args.output_dir, step, state, keep=self.args.save_total_limit,
-                             write_extra=write_extra)
-
-
-def batches_from(loader, step: int, steps_per_epoch: int, batches_per_step: int):
-    """An iterator over ``loader`` positioned at the first batch of training step ``step``.
-
-    The loader's ``DistributedSampler`` is set to the epoch holding ``step``; the batches of that
-    epoch's earlier steps are drawn and dropped. With a loader that has its own seeded generator
-    this gives a resumed run exactly the batches the uninterrupted run would have seen.
-    """
-    loader.sampler.set_epoch(step // steps_per_epoch)
-    it = iter(loader)
-    for _ in range(step % steps_per_epoch * batches_per_step):
-        next(it)
-    return it
-
-
-def _local_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: (p.ds_tensor if hasattr(p, "ds_tensor") else p.data) for name, p in module.named_parameters()}
-
-
-def _save_local_params(module: torch.nn.Module, path: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous().cpu() for k, v in _local_params(module).items()}, path)
-
-
-@torch.no_grad()
-def _load_local_params(module: torch.nn.Module, path: str) -> None:
-    from safetensors.torch import load_file
-
-    saved = load_file(path)
-    for name, dst in _local_params(module).items():
-        if name not in saved or saved[name].shape != dst.shape:
-            raise ValueError(f"{path}: parameter {name} missing or of another shape (was the world size changed?)")
-        dst.copy_(saved[name])
+    return scores
 
 
 _PROGRESS = {"step": "", "optimizer_step": 0}

@@ -133,7 +133,6 @@ class HybridEngine:
         self._direct = self.enabled and self.zero_stage < 3 and self.tp_size == 1 and not _has_lora(self.module)
         self._copy: InferenceCopy | None = None
         self._in_inference = False
-        self._stale = True
         self._weights_step: int | None = None
         self._was_training = False
         self._tp_mesh = None
@@ -185,15 +184,19 @@ class HybridEngine:
     def _is_stale(self) -> bool:
         if self._direct:
             return False
-        return self._stale or self._copy is None or self._weights_step != self.engine.global_steps
+        # One signal: the actor engine's optimizer-step count (a skipped step changes no weight).
+        return self._copy is None or self._weights_step != self.engine.global_steps
 
-    def mark_weights_stale(self) -> None:
-        """Declare the inference weights out of date (call after every optimizer step).
-
-        Stale weights are also detected from the engine's ``global_steps``; both lead to a refresh
-        at the next :meth:`enter_inference` or :meth:`generate`.
-        """
-        self._stale = True
+    @contextlib.contextmanager
+    def inference(self):
+        """``with hybrid.inference(): hybrid.generate(...)``: the inference layout inside the block,
+        the training layout after it (with ``release_inference_cache`` the copy is freed on exit,
+        ``timings["release"]``). Collective over all ranks under ZeRO-3."""
+        self.enter_inference()
+        try:
+            yield self
+        finally:
+            self.exit_inference()
 
     @property
     def threads_per_rank(self) -> int:
@@ -232,7 +235,6 @@ class HybridEngine:
         gather_s, fill_s = self._copy.refresh()
         self.timings.update(gather=gather_s, shard=shard_s + fill_s)
         self._weights_step = self.engine.global_steps
-        self._stale = False
         self._in_inference = True
 
     def exit_inference(self) -> None:

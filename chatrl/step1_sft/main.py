@@ -117,6 +117,7 @@ def run(argv: list[str] | None = None) -> dict:
     from transformers import get_scheduler, set_seed
 
     from chatrl import dist
+    from chatrl.checkpoint import LoopCheckpoints, batches_from, check_output_dir, write_run_marker
     from chatrl.data import SFTCollator, build_phase_data
     from chatrl.models import (
         LoraSettings,
@@ -127,13 +128,13 @@ def run(argv: list[str] | None = None) -> dict:
         load_tokenizer,
         optimizer_param_groups,
     )
-    from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
+    from chatrl.resilience import set_progress
     from chatrl.step1_sft.loss import token_nll
 
     set_progress("step 1 (SFT)")
     info = dist.init_distributed()
     setup_logging(info.rank)
-    cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir)
     set_seed(args.seed)
 
     tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
@@ -141,12 +142,7 @@ def run(argv: list[str] | None = None) -> dict:
                             eval_fraction=args.eval_fraction, eval_data_paths=args.eval_data_path,
                             seed=args.seed, cache_dir=args.data_output_path)
     collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not args.include_prompt_loss)
-    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
-                                                  shuffle=True, seed=args.seed)
-    # A private generator: creating an iterator must not draw from the global RNG (exact resume).
-    loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_train_batch_size,
-                                         sampler=sampler, collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(args.seed))
+    loader = dist.seeded_loader(data.train, args.per_device_train_batch_size, collate, info, args.seed)
 
     model = load_causal_lm(args.model_name_or_path, tokenizer, dtype=args.dtype, dropout=args.dropout,
                            trust_remote_code=args.trust_remote_code)
@@ -235,7 +231,7 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.close()
     dist.save_hf_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:
-        cli.write_run_marker(args.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
+        write_run_marker(args.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
     return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}
 
 

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import get_scheduler, set_seed
 
     from chatrl import dist
+    from chatrl.checkpoint import LoopCheckpoints, batches_from, check_output_dir, write_run_marker
     from chatrl.data import PairCollator, build_phase_data
     from chatrl.models import (
         LoraSettings,
@@ -124,13 +125,13 @@ def main(argv: list[str] | None = None) -> dict:
         load_tokenizer,
         optimizer_param_groups,
     )
-    from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
+    from chatrl.resilience import set_progress
     from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
 
     set_progress("step 2 (reward model)")
     info = dist.init_distributed()
     setup_logging(info.rank)
-    cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir)
     set_seed(args.seed)
     if args.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
@@ -142,12 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                             eval_fraction=args.eval_fraction,
                             eval_data_paths=args.eval_data_path, seed=args.seed, cache_dir=args.data_output_path)
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")
-    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
-                                                  shuffle=True, seed=args.seed)
-    # A private generator: creating an iterator must not draw from the global RNG (exact resume).
-    loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_train_batch_size,
-                                         sampler=sampler, collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(args.seed))
+    loader = dist.seeded_loader(data.train, args.per_device_train_batch_size, collate, info, args.seed)
 
     model = load_reward_model(args.model_name_or_path, tokenizer, dtype=args.dtype, require_head=False,
                               dropout=dropout, trust_remote_code=args.trust_remote_code)
@@ -232,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     tracker.close()
     save_reward_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:
-        cli.write_run_marker(args.output_dir, {"step": 2, "steps": step, "metrics": metrics,
+        write_run_marker(args.output_dir, {"step": 2, "steps": step, "metrics": metrics,
                                                "initial_metrics": initial, "args": vars(args)})
     return metrics
 

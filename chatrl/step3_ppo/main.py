@@ -55,7 +55,9 @@ def build_parser():
 
 
 def make_generate(actor_engine, args, tokenizer):
-    """The rollout function: the hybrid engine's generate with the sampling flags bound."""
+    """The rollout function: the hybrid engine's generate with the sampling flags bound, run inside
+    :meth:`HybridEngine.inference` so that training always runs in the training layout (and
+    ``--release_inference_cache`` frees the inference copy after every rollout)."""
     from chatrl.hybrid_engine import HybridEngine
 
     hybrid = HybridEngine(actor_engine, enable=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
@@ -63,11 +65,24 @@ def make_generate(actor_engine, args, tokenizer):
                           release_inference_cache=args.release_inference_cache)
 
     def generate(ids, mask):
-        return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len, do_sample=True,
-                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        with hybrid.inference():
+            return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len, do_sample=True,
+                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     return hybrid, generate
+
+
+def reward_model_scores(reward_engine, micro_batch: int):
+    """The production reward: the frozen reward model's end score, ``micro_batch`` rollouts per pass
+    (a :data:`~chatrl.step3_ppo.trainer.ScoreFn`)."""
+
+    @torch.no_grad()
+    def score_fn(seq, mask, prompt_len):
+        return torch.cat([reward_engine(seq[i:i + micro_batch], mask[i:i + micro_batch]).end_scores
+                          for i in range(0, len(seq), micro_batch)])
+
+    return score_fn
 
 
 def reduce_stats(stats: dict) -> dict:
@@ -79,24 +94,48 @@ def reduce_stats(stats: dict) -> dict:
     return dict(zip(keys, vals.tolist(), strict=False))
 
 
+@dataclass
+class Step3Run:
+    """Everything a step-3 run is made of, built by :func:`build` and trained by :func:`train`."""
+
+    args: object
+    info: object
+    tokenizer: object
+    plan: object  # chatrl.dist.PPOPlan
+    loader: object  # prompts, per_device_generation_batch_size per batch
+    ptx_iter: object | None  # Cycle of PTX text batches (--unsupervised_dataset_name)
+    engines: object  # chatrl.step3_ppo.engine.RLHFEngines
+    hybrid: object  # chatrl.hybrid_engine.HybridEngine
+    kl_ctl: object
+    trainer: object  # chatrl.step3_ppo.trainer.PPOTrainer
+    tracker: object
+    ckpt: object  # chatrl.checkpoint.LoopCheckpoints
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run step 3; returns the last logged metrics."""
-    args = cli.parse(build_parser(), argv)
+    return train(build(cli.parse(build_parser(), argv)))
+
+
+def build(args) -> Step3Run:
+    """Set up a step-3 run from parsed flags: distributed, prompts (and PTX text), the derived sizes,
+    the four models, the hybrid engine, the KL controller, the trainer (scoring with the reward
+    model), the tracker and the checkpoints. All ranks call it."""
     from transformers import set_seed
 
     from chatrl import dist
+    from chatrl.checkpoint import Cycle, LoopCheckpoints, check_output_dir
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
     from chatrl.models import load_tokenizer
-    from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
-    from chatrl.step2_reward.model import save_reward_model
+    from chatrl.resilience import set_progress
     from chatrl.step3_ppo import core
     from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
-    from chatrl.step3_ppo.trainer import PPOTrainer, summarize
+    from chatrl.step3_ppo.trainer import PPOTrainer
 
     set_progress("step 3 (PPO)")
     info = dist.init_distributed()
     setup_logging(info.rank)
-    cli.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir)
     set_seed(args.seed)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left",
                                trust_remote_code=args.trust_remote_code)
@@ -105,56 +144,61 @@ def main(argv: list[str] | None = None) -> dict:
 
     data = build_phase_data(3, args.data_path, tokenizer, data_split=args.data_split,
                             max_prompt_len=args.max_prompt_seq_len, seed=args.seed, cache_dir=args.data_output_path)
-    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=info.world_size, rank=info.rank,
-                                                  shuffle=True, seed=args.seed)
-    # Private generators: creating an iterator must not draw from the global RNG (exact resume).
-    loader = torch.utils.data.DataLoader(data.train, batch_size=args.per_device_generation_batch_size, sampler=sampler,
-                                         collate_fn=PromptCollator(tokenizer.pad_token_id), drop_last=True,
-                                         generator=torch.Generator().manual_seed(args.seed))
+    loader = dist.seeded_loader(data.train, args.per_device_generation_batch_size, PromptCollator(tokenizer.pad_token_id),
+                                info, args.seed, drop_last=True)
     plan = dist.plan_ppo(len(loader), len(data.train), info.world_size, args.per_device_generation_batch_size,
                          args.per_device_training_batch_size, args.generation_batches, args.ppo_epochs,
                          args.gradient_accumulation_steps, args.num_train_epochs, args.max_steps,
                          args.num_warmup_steps, ptx=bool(args.unsupervised_dataset_name))
-    steps_per_epoch, total_buffers = plan.buffers_per_epoch, plan.total_buffers
-
     ptx_iter = None
     if args.unsupervised_dataset_name:
         unsup = build_phase_data(1, args.unsupervised_dataset_name, tokenizer, data_split="10,0,0",
                                  max_seq_len=args.max_prompt_seq_len + args.max_answer_seq_len, seed=args.seed,
                                  cache_dir=args.data_output_path)
-        ptx_loader = torch.utils.data.DataLoader(
-            unsup.train, batch_size=args.per_device_training_batch_size, drop_last=True,
-            sampler=torch.utils.data.DistributedSampler(unsup.train, info.world_size, info.rank, seed=args.seed),
-            collate_fn=SFTCollator(tokenizer.pad_token_id, mask_prompt=False),
-            generator=torch.Generator().manual_seed(args.seed))
+        ptx_loader = dist.seeded_loader(unsup.train, args.per_device_training_batch_size,
+                                        SFTCollator(tokenizer.pad_token_id, mask_prompt=False), info, args.seed,
+                                        drop_last=True, shuffle=True)
         ptx_iter = Cycle(ptx_loader, info.device)
 
     engines = build_engines(args, tokenizer, info, plan.actor_steps, plan.critic_steps)
     hybrid, generate = make_generate(engines.actor, args, tokenizer)
     kl_ctl = (core.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon)
               if args.kl_ctl == "adaptive" else core.FixedKLController(args.init_kl_coef))
-    settings = config.from_args(config.PPOConfig, args)
-    reward_engine = engines.reward
-
-    step = 0
-
-    @torch.no_grad()
-    def score_fn(seq, mask, prompt_len):
-        mb = args.per_device_training_batch_size
-        scores = torch.cat([reward_engine(seq[i:i + mb], mask[i:i + mb]).end_scores for i in range(0, len(seq), mb)])
-        return scores * float("nan") if step + 1 in args.debug_nonfinite_steps else scores
-
-    trainer = PPOTrainer(engines.actor, engines.critic, engines.reference, score_fn, generate, kl_ctl, settings,
-                         tokenizer.eos_token_id, tokenizer.pad_token_id, ema=engines.ema,
-                         on_actor_step=hybrid.mark_weights_stale)
+    trainer = PPOTrainer(engines.actor, engines.critic, engines.reference,
+                         reward_model_scores(engines.reward, args.per_device_training_batch_size), generate, kl_ctl,
+                         config.from_args(config.PPOConfig, args), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                         ema=engines.ema)
     tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
                       progress=not args.disable_progress_bar)
-    tracker.write(f"step 3: {len(data.train)} prompts, {total_buffers} experience buffers of "
+    tracker.write(f"step 3: {len(data.train)} prompts, {plan.total_buffers} experience buffers of "
                   f"{args.generation_batches}×{args.per_device_generation_batch_size} rollouts per rank × "
-                  f"{info.world_size} ranks, {args.ppo_epochs} PPO epoch(s); actor ZeRO-{args.actor_zero_stage}, "
+                  f"{info.world_size} ranks, {args.ppo_epochs} PPO epoch(s), {plan.actor_steps} actor and "
+                  f"{plan.critic_steps} critic optimizer steps; actor ZeRO-{args.actor_zero_stage}, "
                   f"critic ZeRO-{args.critic_zero_stage}, hybrid engine {'on' if args.enable_hybrid_engine else 'off'}")
-    trained = {"actor": engines.actor, "critic": engines.critic}
-    ckpt = LoopCheckpoints(args, trained, {"actor_ema": engines.ema.module} if engines.ema is not None else None)
+    ckpt = LoopCheckpoints(args, {"actor": engines.actor, "critic": engines.critic},
+                           {"actor_ema": engines.ema.module} if engines.ema is not None else None)
+    return Step3Run(args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, tracker, ckpt)
+
+
+def train(run: Step3Run, score_fn=None) -> dict:
+    """The PPO loop over ``run``: per experience buffer, make experience (generate, score, KL-shaped
+    rewards, advantages) and learn from it, then log and checkpoint; at the end save the HF folders.
+
+    ``score_fn`` (a :data:`~chatrl.step3_ppo.trainer.ScoreFn`) replaces the reward model (tests use
+    a rule). Returns the last logged metrics.
+    """
+    from chatrl import dist
+    from chatrl.checkpoint import batches_from, write_run_marker
+    from chatrl.resilience import nonfinite_scores, set_progress
+    from chatrl.step2_reward.model import save_reward_model
+    from chatrl.step3_ppo.trainer import summarize
+
+    args, info, plan, trainer, tracker, ckpt = run.args, run.info, run.plan, run.trainer, run.tracker, run.ckpt
+    engines, hybrid, kl_ctl, ptx_iter, tokenizer = run.engines, run.hybrid, run.kl_ctl, run.ptx_iter, run.tokenizer
+    step = 0
+    # The reward: the reward model unless a rule is given; --debug_nonfinite_steps (a testing hook) wraps it.
+    trainer.score_fn = nonfinite_scores(score_fn or trainer.score_fn, args.debug_nonfinite_steps, lambda: step + 1)
+    steps_per_epoch, total_buffers = plan.buffers_per_epoch, plan.total_buffers
     resumed, samples = ckpt.resume(), 0
 
     def state() -> dict:
@@ -166,47 +210,43 @@ def main(argv: list[str] | None = None) -> dict:
         kl_ctl.load_state_dict(resumed["kl_ctl"])
         if ptx_iter is not None:
             ptx_iter.skip(resumed["ptx_batches"])
-        hybrid.mark_weights_stale()
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
                       f"KL coefficient {kl_ctl.value:.4g})")
     tracker.bar(total_buffers, "step 3 PPO", initial=step)
     t_start, metrics = time.time(), {}
     while step < total_buffers:
-        it = batches_from(loader, step, steps_per_epoch, args.generation_batches)
+        it = batches_from(run.loader, step, steps_per_epoch, args.generation_batches)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             t0 = time.time()
             stats: dict = {}
             for _ in range(args.generation_batches):
                 batch = {k: v.to(info.device) for k, v in next(it).items()}
+                # rollouts (in the inference layout), their scores, KL-shaped rewards and advantages
                 exp, times = trainer.make_experience(batch["input_ids"], batch["attention_mask"])
                 t1 = time.time()
+                # PPO epochs on them (in the training layout), with the PTX loss when on
                 learned = trainer.learn(exp, ptx_iter)
                 times["time/train"] = time.time() - t1
+                times["memory/rss_train_mb"] = dist.resident_mb()
                 for k, v in {**summarize(exp, kl_ctl.value, tokenizer.eos_token_id), **learned, **times,
                              **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / args.generation_batches
             step += 1
             set_progress(optimizer_step=step)
-            rollouts = plan.rollouts_per_buffer
-            samples += rollouts
+            samples += plan.rollouts_per_buffer
             metrics = reduce_stats(stats)
             if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing
-                kl_ctl.update(metrics["kl"], rollouts)
-            metrics["skipped_steps"] = ckpt.skipped
-            metrics["samples"] = samples
-            metrics["samples_per_s"] = rollouts / (time.time() - t0)
-            metrics["elapsed_min"] = (time.time() - t_start) / 60
+                kl_ctl.update(metrics["kl"], plan.rollouts_per_buffer)
+            metrics.update(skipped_steps=ckpt.skipped, samples=samples, actor_lr=engines.actor.get_lr()[0],
+                           critic_lr=engines.critic.get_lr()[0],
+                           samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),
+                           elapsed_min=(time.time() - t_start) / 60)
             if step % args.log_interval == 0 or step == total_buffers:
                 tracker.log(metrics, step)
             tracker.advance()
             if args.print_answers and (step % args.print_answers_interval == 0 or step == 1):
-                p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
-                a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
-                prompt = tokenizer.decode(p, skip_special_tokens=True)
-                prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
-                tracker.write(f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}"
-                              f"[{tokenizer.decode(a, skip_special_tokens=True)}]")
+                tracker.write(describe_rollout(exp, tokenizer, step))
             ckpt.save_if_due(step, total_buffers, state())
             if step >= total_buffers or step == args.stop_after_steps:
                 break
@@ -215,50 +255,23 @@ def main(argv: list[str] | None = None) -> dict:
             tracker.close()
             return metrics
     tracker.close()
-    hybrid.exit_inference()
     out = args.output_dir
     dist.save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")
     save_reward_model(engines.critic.module, tokenizer, f"{out}/critic")
     if engines.ema is not None:
         dist.save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema")
     if info.is_main:
-        cli.write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(args)})
+        write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(args)})
     return metrics
 
 
-class Cycle:
-    """Endless batches of ``loader`` (a DistributedSampler's), epoch after epoch, on ``device``.
-
-    ``consumed`` counts the batches handed out; a resumed run calls :meth:`skip` with it to
-    continue where the checkpoint was taken.
-    """
-
-    def __init__(self, loader, device):
-        self.loader, self.device, self.consumed = loader, device, 0
-        self._it, self._epoch = None, 0
-
-    def __iter__(self):
-        return self
-
-    def _next_raw(self) -> dict:
-        while True:
-            if self._it is None:
-                self.loader.sampler.set_epoch(self._epoch)
-                self._it = iter(self.loader)
-            try:
-                batch = next(self._it)
-                self.consumed += 1
-                return batch
-            except StopIteration:
-                self._it, self._epoch = None, self._epoch + 1
-
-    def __next__(self) -> dict:
-        return {k: v.to(self.device) for k, v in self._next_raw().items()}
-
-    def skip(self, n: int) -> None:
-        """Hand out (and drop) ``n`` batches."""
-        for _ in range(n):
-            self._next_raw()
+def describe_rollout(exp, tokenizer, step: int) -> str:
+    """The first rollout of ``exp`` as text: its score, the prompt's end and the ``[answer]``."""
+    p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
+    a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
+    prompt = tokenizer.decode(p, skip_special_tokens=True)
+    prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
+    return f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}[{tokenizer.decode(a, skip_special_tokens=True)}]"
 
 
 if __name__ == "__main__":

@@ -12,15 +12,8 @@ import json
 import pytest
 
 from chatrl import dist
-from chatrl.cli import (
-    RUN_MARKER,
-    add_dist_args,
-    add_model_args,
-    check_output_dir,
-    new_parser,
-    parse,
-    write_run_marker,
-)
+from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
+from chatrl.cli import add_dist_args, add_model_args, new_parser, parse
 from chatrl.data import build_phase_data, load_samples
 from chatrl.models import LoraSettings, apply_lora, load_causal_lm, load_tokenizer, torch_dtype
 from tests.conftest import STORIES, TOKENIZERS

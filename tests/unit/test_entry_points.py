@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from chatrl.cli import check_output_dir, normalize_argv, write_run_marker
+from chatrl.checkpoint import check_output_dir, write_run_marker
+from chatrl.cli import normalize_argv
 from chatrl.models import load_tokenizer
 from tests.conftest import REPO, STORIES
 

@@ -6,14 +6,8 @@ import types
 import pytest
 import torch
 
-from chatrl.resilience import (
-    LoopCheckpoints,
-    NonFiniteError,
-    NonFiniteGuard,
-    batches_from,
-    skip_nonfinite_steps,
-)
-from chatrl.step3_ppo.main import Cycle
+from chatrl.checkpoint import Cycle, LoopCheckpoints, batches_from
+from chatrl.resilience import NonFiniteError, NonFiniteGuard, skip_nonfinite_steps
 
 
 def test_guard_counts_skipped_optimizer_steps_and_stops_after_k_in_a_row():
@@ -92,7 +86,7 @@ def test_engine_checkpoint_reads_are_weights_only(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from chatrl.dist import _weights_only_loads
+    from chatrl.checkpoint import _weights_only_loads
 
     good, evil = tmp_path / "good.pt", tmp_path / "evil.pt"
     torch.save({"w": torch.ones(2), "stage": ZeroStageEnum.weights}, good)
