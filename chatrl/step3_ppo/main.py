@@ -238,6 +238,7 @@ def train(run: Step3Run, score_fn=None) -> dict:
             metrics = reduce_stats(stats)
             if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing
                 kl_ctl.update(metrics["kl"], plan.rollouts_per_buffer)
+            metrics["memory/rss_train_max_mb"] = dist.all_reduce_max(torch.tensor(stats["memory/rss_train_mb"])).item()
             metrics.update(skipped_steps=ckpt.skipped, samples=samples, actor_lr=engines.actor.get_lr()[0],
                            critic_lr=engines.critic.get_lr()[0],
                            samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),

@@ -2,7 +2,7 @@
 (:func:`chatrl.step3_ppo.main.build` and :func:`~chatrl.step3_ppo.main.train` with a ``score_fn``).
 
 Usage (under torchrun): ppo_worker.py RESULT_JSON WORK_DIR [--steps N] [--hybrid] [--zero STAGE]
-[-- EXTRA STEP-3 FLAGS]
+[--model FOLDER] [-- EXTRA STEP-3 FLAGS]
 
 The reward is 5 × the share of answer tokens whose text contains the letter "e" (a fixed token set):
 PPO should raise it within a few dozen steps while the KL to the reference stays bounded. The
@@ -33,17 +33,18 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--hybrid", action="store_true")
     p.add_argument("--zero", type=int, default=3)
+    p.add_argument("--model", default=str(STORIES), help="actor and critic backbone (default: stories260K)")
     p.add_argument("extra", nargs="*")
     a = p.parse_args()
     info = dist.init_distributed()
-    tok = load_tokenizer(str(STORIES), padding_side="left")
+    tok = load_tokenizer(a.model, padding_side="left")
     critic_dir = os.path.join(a.work, "critic")
-    critic = load_reward_model(str(STORIES), tok, require_head=False)
+    critic = load_reward_model(a.model, tok, require_head=False)
     torch.nn.init.zeros_(critic.hf.score.weight)  # V = 0 at first: advantages start as the returns
     save_reward_model(critic, tok, critic_dir)  # all ranks call it (rank 0 writes)
     out = os.path.join(a.work, "out")
     args = parse(build_parser(), [
-        "--actor_model_name_or_path", str(STORIES), "--critic_model_name_or_path", critic_dir,
+        "--actor_model_name_or_path", a.model, "--critic_model_name_or_path", critic_dir,
         "--data_path", str(DATA / "prompts"), "--data_output_path", os.path.join(a.work, "cache"),
         "--output_dir", out, "--disable_progress_bar",
         "--actor_zero_stage", str(a.zero), "--critic_zero_stage", str(a.zero), "--actor_dropout", "0.1",
