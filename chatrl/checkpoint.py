@@ -246,6 +246,17 @@ class LoopCheckpoints:
         state["path"] = str(path)
         return state
 
+    def stop_here(self, step: int) -> bool:
+        """``--stop_after_steps`` (testing): the loop ends after training step ``step`` without the
+        final save, as a crash would."""
+        return step == self.args.stop_after_steps
+
+    @staticmethod
+    def note_stop(step: int, tracker) -> None:
+        """Log the ``--stop_after_steps`` stop and close ``tracker``."""
+        tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
+        tracker.close()
+
     def due(self, step: int, total_steps: int) -> bool:
         """A periodic checkpoint is due after training step ``step`` (never after the last one)."""
         return bool(self.args.save_interval) and step % self.args.save_interval == 0 and step < total_steps

@@ -215,11 +215,10 @@ def run(argv: list[str] | None = None) -> dict:
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
             ckpt.save_if_due(step, total_steps, {"epoch": step // steps_per_epoch})
-            if step >= total_steps or step == args.stop_after_steps:
+            if step >= total_steps or ckpt.stop_here(step):
                 break
-        if step == args.stop_after_steps:
-            tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
-            tracker.close()
+        if ckpt.stop_here(step):
+            ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}
 
     if args.eval_eos_samples:

@@ -218,11 +218,10 @@ def main(argv: list[str] | None = None) -> dict:
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe_eval(metrics)}")
             ckpt.save_if_due(step, total_steps, state)
-            if step >= total_steps or step == args.stop_after_steps:
+            if step >= total_steps or ckpt.stop_here(step):
                 break
-        if step == args.stop_after_steps:
-            tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
-            tracker.close()
+        if ckpt.stop_here(step):
+            ckpt.note_stop(step, tracker)
             return metrics
 
     tracker.close()

@@ -249,11 +249,10 @@ def train(run: Step3Run, score_fn=None) -> dict:
             if args.print_answers and (step % args.print_answers_interval == 0 or step == 1):
                 tracker.write(describe_rollout(exp, tokenizer, step))
             ckpt.save_if_due(step, total_buffers, state())
-            if step >= total_buffers or step == args.stop_after_steps:
+            if step >= total_buffers or ckpt.stop_here(step):
                 break
-        if step == args.stop_after_steps:
-            tracker.write(f"stopping after step {step} (--stop_after_steps), without the final save")
-            tracker.close()
+        if ckpt.stop_here(step):
+            ckpt.note_stop(step, tracker)
             return metrics
     tracker.close()
     out = args.output_dir

@@ -13,6 +13,7 @@ dropout 0.1 in the config).
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -34,8 +35,9 @@ def main():
     p.add_argument("--hybrid", action="store_true")
     p.add_argument("--zero", type=int, default=3)
     p.add_argument("--model", default=str(STORIES), help="actor and critic backbone (default: stories260K)")
-    p.add_argument("extra", nargs="*")
-    a = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a, extra = p.parse_args(argv[:cut]), argv[cut + 1:]
     info = dist.init_distributed()
     tok = load_tokenizer(a.model, padding_side="left")
     critic_dir = os.path.join(a.work, "critic")
@@ -52,7 +54,7 @@ def main():
         "--lr_scheduler_type", "constant", "--per_device_generation_batch_size", "32",
         "--per_device_training_batch_size", "32", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "16",
         "--init_kl_coef", "0.3", "--whiten_advantages", "--ppo_epochs", "2", "--num_train_epochs", "100",
-        "--max_steps", str(a.steps), *(["--enable_hybrid_engine"] if a.hybrid else []), *a.extra])
+        "--max_steps", str(a.steps), *(["--enable_hybrid_engine"] if a.hybrid else []), *extra])
     run = build(args)
     letter_e = torch.tensor(["e" in tok.convert_ids_to_tokens(i) for i in range(len(tok))])
 
