@@ -36,6 +36,7 @@ def test_every_flag_has_help(program):
     p = parsers()[program]
     missing = [a.option_strings[0] for a in p._actions if a.option_strings and not (a.help or "").strip()]
     assert not missing, f"{program}: flags without help: {missing}"
+    assert "--" in p.format_help()  # --help renders (a stray % in a help text would raise here)
 
 
 def test_step3_keeps_deepspeed_chat_flag_names_and_prefixes():
