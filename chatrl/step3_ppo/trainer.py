@@ -127,18 +127,33 @@ class PPOTrainer:
             parts["ref_logp"].append(core.logprobs_from_logits(answer_logits(self.reference, s, m, P), s[:, P:]))
             parts["values"].append(answer_values(self.critic, s, m, P))
         out = {k: torch.cat(v) for k, v in parts.items()}
-        scores = self.score_fn(seq, mask, P).float()
-        has_eos = (answer == self.eos).any(dim=1)
-        if self.s.penalty_no_eos:
-            scores = scores - self.s.penalty_no_eos * (~has_eos).float()
-        rewards, kl = core.compute_rewards(scores, out["logp"], out["ref_logp"], action_mask, self.kl_ctl.value,
-                                           self.s.clip_reward_value, self.s.kl_estimator)
-        advantages, returns = core.gae(out["values"], rewards, action_mask, self.s.gamma, self.s.lam)
-        if self.s.whiten_advantages:
-            advantages = core.masked_whiten(advantages, action_mask)
+        scores = self.score(seq, mask, P)
+        rewards, kl, advantages, returns = self.estimate_advantages(scores, out["logp"], out["ref_logp"],
+                                                                    out["values"], action_mask)
         exp = Experience(seq, mask, P, action_mask, out["logp"], out["ref_logp"], out["values"], kl, rewards,
                          advantages, returns, out["entropy"], scores)
         return exp, {"time/generate": t_gen, "time/experience": time.time() - t0 - t_gen}
+
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """The reward of each rollout ``(B,)``: ``score_fn`` minus ``penalty_no_eos`` for answers without EOS."""
+        scores = self.score_fn(sequences, attention_mask, prompt_len).float()
+        if self.s.penalty_no_eos:
+            has_eos = (sequences[:, prompt_len:] == self.eos).any(dim=1)
+            scores = scores - self.s.penalty_no_eos * (~has_eos).float()
+        return scores
+
+    def estimate_advantages(self, scores, logp, ref_logp, values, action_mask):
+        """PPO's advantages: per-token KL-shaped rewards (score at the last action token), then GAE
+        on the critic's values (optionally whitened). All ``(B, A)`` but ``scores`` ``(B,)``.
+
+        Returns ``(rewards, kl, advantages, returns)``. A critic-free algorithm replaces this method.
+        """
+        rewards, kl = core.compute_rewards(scores, logp, ref_logp, action_mask, self.kl_ctl.value,
+                                           self.s.clip_reward_value, self.s.kl_estimator)
+        advantages, returns = core.gae(values, rewards, action_mask, self.s.gamma, self.s.lam)
+        if self.s.whiten_advantages:
+            advantages = core.masked_whiten(advantages, action_mask)
+        return rewards, kl, advantages, returns
 
     def train_actor(self, exp: Experience) -> dict:
         """One PPO-clip step of the actor on ``exp`` (one micro-batch)."""
