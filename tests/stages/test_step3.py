@@ -27,14 +27,14 @@ def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path):
 def test_release_inference_cache_frees_the_copy_during_training(tmp_path):
     """Actor (and critic) under ZeRO-3 on 2 ranks with the hybrid engine: with
     --release_inference_cache every rollout's copy is freed (time/release > 0 at each step) and each
-    rank's resident memory while training is within 10% of the engine-off run's; without the flag
-    the kept copy's cost is measured (stated in docs/hybrid_engine.md)."""
+    rank's resident memory while training is within 10% of the engine-off run's (the kept copy's
+    cost, without the flag, is stated in docs/hybrid_engine.md)."""
     from chatrl.tiny import TinySpec, make_tiny_model
 
     model = tmp_path / "llama"  # ~30M parameters (120 MB fp32): a copy that shows in the RSS
     make_tiny_model("llama", model, TinySpec(hidden=256, layers=4, heads=4, ffn=1024))
-    runs = {"off": [], "release": ["--enable_hybrid_engine", "--release_inference_cache"],
-            "kept": ["--enable_hybrid_engine"]}
+    # ("kept": ["--enable_hybrid_engine"] alone measures the kept copy's cost for the docs; not run here)
+    runs = {"off": [], "release": ["--enable_hybrid_engine", "--release_inference_cache"]}
     rows = {}
     for name, extra in runs.items():
         result = tmp_path / f"{name}.json"
