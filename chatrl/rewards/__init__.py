@@ -17,6 +17,7 @@ from chatrl.rewards.base import (
     RewardSource,
     WeightedReward,
     check_scores,
+    reward_batch_from_tokens,
     score_on_all_ranks,
     split_weight,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "decode_response",
     "encode_request",
     "load_reward_fn",
+    "reward_batch_from_tokens",
     "score_on_all_ranks",
     "split_weight",
 ]

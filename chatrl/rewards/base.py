@@ -51,6 +51,41 @@ class RewardBatch:
         return len(self.answers)
 
 
+def reward_batch_from_tokens(tokenizer, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                             action_mask: torch.Tensor, prompt_len: int, metadata: Sequence[dict] | None = None,
+                             step: int = 0) -> RewardBatch:
+    """A :class:`RewardBatch` of step 3's rollouts: prompts and answers decoded, tokens kept.
+
+    The prompt is the block ``sequences[:, :prompt_len]`` where ``attention_mask`` is non-zero
+    (left padding dropped); the answer the tokens where ``action_mask`` is non-zero (through the
+    first EOS). Both are decoded with ``skip_special_tokens=True``.
+
+    Args:
+        tokenizer: the actor's tokenizer.
+        sequences, attention_mask: ``(B, P + A)``. action_mask: ``(B, A)``. prompt_len: ``P``.
+        metadata: ``B`` dicts (each row's reward metadata, repeated for the ``N`` answers of a
+            prompt), or ``None`` for ``{}`` each.
+        step: the training step.
+
+    Raises:
+        ValueError: shapes or lengths that do not match.
+    """
+    b, t = sequences.shape
+    if tuple(attention_mask.shape) != (b, t) or tuple(action_mask.shape) != (b, t - prompt_len):
+        raise ValueError(f"reward_batch_from_tokens: sequences {tuple(sequences.shape)}, attention_mask "
+                         f"{tuple(attention_mask.shape)} and action_mask {tuple(action_mask.shape)} do not fit "
+                         f"prompt_len {prompt_len}")
+    if metadata is not None and len(metadata) != b:
+        raise ValueError(f"reward_batch_from_tokens: {len(metadata)} metadata rows for {b} sequences")
+    seq = sequences.cpu()
+    prompts = [tokenizer.decode(seq[i, :prompt_len][attention_mask[i, :prompt_len].cpu() != 0],
+                                skip_special_tokens=True) for i in range(b)]
+    answers = [tokenizer.decode(seq[i, prompt_len:][action_mask[i].cpu() != 0], skip_special_tokens=True)
+               for i in range(b)]
+    meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in range(b)]
+    return RewardBatch(prompts, answers, meta, step, sequences, attention_mask, prompt_len)
+
+
 class RewardSource(Protocol):
     """A reward: ``source(batch) -> (B,)`` float32 scores; ``name`` labels its log line."""
 

@@ -139,3 +139,29 @@ def test_score_on_all_ranks_fails_everywhere_when_one_rank_fails():
     msgs = simulate_ranks(on_rank, 2)
     assert msgs[0] == "rank 0: reward failed at step 5 on rank(s) [1]; see their error"
     assert msgs[1] == "rank 1: reward failed at step 5: server down"
+
+
+def test_reward_batch_from_tokens_decodes_prompt_and_answer_only():
+    from chatrl.models import load_tokenizer
+    from chatrl.rewards import reward_batch_from_tokens
+    from tests.conftest import TOKENIZERS
+
+    tok = load_tokenizer(str(TOKENIZERS / "gpt2"))
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    p1, p2 = tok.encode("What is 2+2?"), tok.encode("Hi")
+    a1, a2 = tok.encode(" 4"), tok.encode(" hello there")
+    P = max(len(p1), len(p2))
+    A = max(len(a1), len(a2)) + 2
+    rows, masks, acts = [], [], []
+    for p, a in ((p1, a1), (p2, a2)):
+        answer = a + [eos] + [pad] * (A - len(a) - 1)
+        rows.append([pad] * (P - len(p)) + p + answer)
+        masks.append([0] * (P - len(p)) + [1] * len(p) + [1] * (len(a) + 1) + [0] * (A - len(a) - 1))
+        acts.append([1] * (len(a) + 1) + [0] * (A - len(a) - 1))
+    seq, mask, act = torch.tensor(rows), torch.tensor(masks), torch.tensor(acts)
+    b = reward_batch_from_tokens(tok, seq, mask, act, P, [{"reference": "4"}, {}], step=7)
+    assert b.prompts == ["What is 2+2?", "Hi"] and b.answers == [" 4", " hello there"]
+    assert b.metadata == [{"reference": "4"}, {}] and b.step == 7 and b.prompt_len == P
+    assert FunctionReward("exact_match")(RewardBatch(b.prompts[:1], b.answers[:1], b.metadata[:1])).tolist() == [1.0]
+    with pytest.raises(ValueError, match="1 metadata rows for 2 sequences"):
+        reward_batch_from_tokens(tok, seq, mask, act, P, [{}])
