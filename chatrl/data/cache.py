@@ -24,7 +24,7 @@ from chatrl.data.report import SkipReport
 log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the building rules change.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 Columns = dict[str, list]
 
@@ -68,8 +68,8 @@ def _features(phase: int):
     import datasets
 
     ids = datasets.List(datasets.Value("int32"))
-    return datasets.Features({c: datasets.Value("int32") if c == "prompt_len" else ids
-                              for c in PHASE_COLUMNS[phase]})
+    kinds = {"prompt_len": datasets.Value("int32"), "metadata": datasets.Value("string")}
+    return datasets.Features({c: kinds.get(c, ids) for c in PHASE_COLUMNS[phase]})
 
 
 def to_hf_dataset(phase: int, columns: Columns):

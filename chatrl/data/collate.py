@@ -88,11 +88,15 @@ class PairCollator:
 
 class PromptCollator:
     """Phase-3 batches for generation: LEFT-padded ``input_ids (B, T)`` and ``attention_mask (B, T)``.
-    Items are ``{"prompt_ids": (P_i,)}``."""
+    Items are ``{"prompt_ids": (P_i,), "metadata": dict}``. With ``with_metadata`` the batch also
+    holds ``"metadata"``: the ``B`` rows' reward metadata dicts (a list, not a tensor)."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, with_metadata: bool = False):
+        self.pad_token_id, self.with_metadata = pad_token_id, with_metadata
 
-    def __call__(self, batch: Sequence[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: Sequence[dict]) -> dict:
         ids, mask, _ = pad_sequences([x["prompt_ids"] for x in batch], self.pad_token_id, "left")
-        return {"input_ids": ids, "attention_mask": mask}
+        out = {"input_ids": ids, "attention_mask": mask}
+        if self.with_metadata:
+            out["metadata"] = [dict(x.get("metadata") or {}) for x in batch]
+        return out

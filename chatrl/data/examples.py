@@ -3,7 +3,8 @@
 - Phase 1 (SFT): ``{"input_ids": prompt + answer + EOS, "prompt_len"}``.
 - Phase 2 (reward model): ``{"chosen_input_ids", "rejected_input_ids", "prompt_len"}``, both
   sides sharing one prompt.
-- Phase 3 (PPO): ``{"prompt_ids"}``.
+- Phase 3 (PPO): ``{"prompt_ids", "metadata"}``; ``metadata`` is the sample's reward metadata as
+  a JSON object text (``"{}"`` when it has none), see :class:`~chatrl.data.schema.Sample`.
 
 Over-long sequences lose prompt tokens from the LEFT, so that answers keep their ends (the part a
 reward model judges most). A leading BOS is kept when the prompt is cut. A sample whose answer
@@ -14,6 +15,7 @@ truncation, is skipped as ``identical_pair``; phases 1 and 3 still use its promp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from chatrl.data.formatting import encode_answers, encode_prompts
@@ -23,7 +25,7 @@ from chatrl.data.schema import Sample, is_identical_pair
 PHASE_COLUMNS = {
     1: ("input_ids", "prompt_len"),
     2: ("chosen_input_ids", "rejected_input_ids", "prompt_len"),
-    3: ("prompt_ids",),
+    3: ("prompt_ids", "metadata"),
 }
 
 
@@ -83,12 +85,13 @@ def tokenize_samples(phase: int, samples: Sequence[Sample], tokenizer, max_seq_l
     prompts = encode_prompts(tokenizer, [s.messages for s in samples])
     out: list[tuple[dict | str, bool]] = []
     if phase == 3:
-        for p in prompts:
+        for s, p in zip(samples, prompts, strict=True):
             cut = left_cut(p, max_prompt_len, bos)
             if cut is None:
                 out.append(("too_long", False))
             else:
-                out.append(({"prompt_ids": cut}, len(cut) < len(p)))
+                meta = json.dumps(s.metadata or {}, sort_keys=True, ensure_ascii=False)
+                out.append(({"prompt_ids": cut, "metadata": meta}, len(cut) < len(p)))
         return out
     if phase == 1:
         answers = encode_answers(tokenizer, [s.chosen or "" for s in samples])

@@ -8,6 +8,7 @@ datasets, with a :class:`SkipReport` of what was used and what was skipped.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ _EVAL_KINDS = {1: (KIND_PAIRS, KIND_SFT), 2: (KIND_PAIRS,), 3: (KIND_PAIRS, KIND
 class TokenizedDataset(torch.utils.data.Dataset):
     """A ``torch`` view of a ``datasets.Dataset`` of token examples.
 
-    Items are dicts: id columns as ``LongTensor (T,)``, ``prompt_len`` as ``int``.
+    Items are dicts: id columns as ``LongTensor (T,)``, ``prompt_len`` as ``int``, phase 3's
+    ``metadata`` as a ``dict`` (the reward metadata of the prompt's row, ``{}`` if none).
     ``hf`` is the underlying ``datasets.Dataset``.
     """
 
@@ -44,7 +46,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         row = self.hf[int(i)]
-        return {k: int(v) if k == "prompt_len" else torch.tensor(v, dtype=torch.long) for k, v in row.items()}
+        return {k: int(v) if k == "prompt_len" else json.loads(v) if k == "metadata"
+                else torch.tensor(v, dtype=torch.long) for k, v in row.items()}
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
 
     - phase 1: ``{"input_ids": (T,), "prompt_len": int}``, prompt + answer + EOS, ``T ≤ max_seq_len``;
     - phase 2: ``{"chosen_input_ids": (Tc,), "rejected_input_ids": (Tr,), "prompt_len": int}``;
-    - phase 3: ``{"prompt_ids": (P,)}``, ``P ≤ max_prompt_len``.
+    - phase 3: ``{"prompt_ids": (P,), "metadata": dict}``, ``P ≤ max_prompt_len``.
 
     Args:
         phase: 1 (SFT), 2 (reward model) or 3 (PPO).

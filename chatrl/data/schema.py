@@ -12,7 +12,9 @@ Schemas (names accepted by ``schema=``):
   ``chosen``; without ``rejected`` in the source it is SFT data.
 - ``alpaca``: ``{instruction, input, output}`` (SFT only).
 - ``sharegpt``: ``{conversations: [{from, value}], chosen?, rejected?}``.
-- ``prompts``: a JSON string per row, or ``{prompt}`` / ``{text}`` alone (step-3 prompts only).
+- ``prompts``: a JSON string per row, or ``{prompt}`` / ``{text}`` (step-3 prompts only), optionally
+  with a ``reference`` answer (string or number) and a ``metadata`` object for reward functions
+  (``docs/rewards.md``).
 - ``oasst``: Open-Assistant message trees ``{message_tree_id, prompt: {text, role, rank, replies}}``.
 """
 
@@ -41,11 +43,15 @@ class Sample:
             "content": str}, ...)``, ending with a user turn.
         chosen: the preferred answer (also the SFT target); ``None`` for prompt-only data.
         rejected: the dispreferred answer; ``None`` unless the sample is a preference pair.
+        metadata: for prompt-only rows, what reaches step 3's reward functions: the row's
+            ``metadata`` object with its ``reference`` answer under ``"reference"``; ``None`` if
+            the row has neither.
     """
 
     messages: tuple[dict, ...]
     chosen: str | None = None
     rejected: str | None = None
+    metadata: dict | None = None
 
 
 class RowSkip(Exception):
@@ -244,17 +250,44 @@ def adapt_sharegpt(row, *, pairs: bool) -> list[Sample]:
     return [Sample(tuple(messages), chosen.strip(), rejected.strip() if rejected is not None else None)]
 
 
+#: Optional fields of a prompt-only row that flow to the reward functions.
+PROMPT_EXTRA_KEYS = ("reference", "metadata")
+
+
+def _reward_metadata(row: dict) -> dict | None:
+    """The ``metadata`` object of a prompt row with its ``reference`` added, or ``None``.
+
+    Raises:
+        RowSkip("wrong_type"): ``metadata`` not an object, ``reference`` not a string or number, or
+            both a ``reference`` field and a different ``metadata.reference``.
+    """
+    meta, ref = row.get("metadata"), row.get("reference")
+    if meta is None and ref is None:
+        return None
+    if meta is not None and not isinstance(meta, dict):
+        raise RowSkip("wrong_type", f"metadata is a {type(meta).__name__}, not an object")
+    if ref is not None and (isinstance(ref, bool) or not isinstance(ref, (str, int, float))):
+        raise RowSkip("wrong_type", f"reference is a {type(ref).__name__}, not a string or number")
+    out = dict(meta or {})
+    if ref is not None:
+        if out.get("reference", ref) != ref:
+            raise RowSkip("wrong_type", "reference and metadata.reference differ")
+        out["reference"] = ref
+    return out
+
+
 def adapt_prompt(row) -> list[Sample]:
-    """A JSON string, ``{prompt}`` or ``{text}`` → a prompt-only :class:`Sample`."""
+    """A JSON string, ``{prompt}`` or ``{text}`` (with optional ``reference``, ``metadata``) → a
+    prompt-only :class:`Sample`."""
     if isinstance(row, str):
         text = row
         if not text.strip():
             raise RowSkip("empty_field", "prompt")
-    elif isinstance(row, dict):
-        text = _field(row, "prompt" if "prompt" in row else "text")
-    else:
+        return [Sample(_prompt_messages(text))]
+    if not isinstance(row, dict):
         raise RowSkip("wrong_type", f"row is a {type(row).__name__}")
-    return [Sample(_prompt_messages(text))]
+    text = _field(row, "prompt" if "prompt" in row else "text")
+    return [Sample(_prompt_messages(text), metadata=_reward_metadata(row))]
 
 
 def _oasst_nodes(node, path: list[dict]) -> Iterator[Sample]:
@@ -325,11 +358,12 @@ def detect_schema(rows: Iterable, where: str) -> tuple[str, str]:
         return "pairs", KIND_PAIRS if "rejected" in keys else KIND_SFT
     if {"chosen", "rejected"} <= keys:
         return "hh", KIND_PAIRS
-    if keys in ({"prompt"}, {"text"}):
+    if keys - set(PROMPT_EXTRA_KEYS) in ({"prompt"}, {"text"}):
         return "prompts", KIND_PROMPTS
     raise ValueError(f"{where}: unknown data schema; saw keys {sorted(keys)} (known: hh-rlhf "
                      "{chosen, rejected}; {prompt, chosen, rejected}; alpaca {instruction, input, output}; "
-                     "sharegpt {conversations}; prompts {prompt} | {text} | a JSON string; oasst trees)")
+                     "sharegpt {conversations}; prompts {prompt} | {text} | a JSON string, with optional reference "
+                     "and metadata; oasst trees)")
 
 
 def schema_kind(schema: str, rows: Iterable) -> str:

@@ -1,0 +1,230 @@
+"""The reward-source interface, the weighted sum, and the cross-rank failure check."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class RewardError(RuntimeError):
+    """A reward source failed (bad return value, server error, failure on another rank)."""
+
+
+@dataclass
+class RewardBatch:
+    """What a reward source gets for ``B`` answers.
+
+    Attributes:
+        prompts: ``B`` prompt texts (decoded, special tokens removed).
+        answers: ``B`` answer texts (decoded up to the first EOS, special tokens removed).
+        metadata: ``B`` dicts, each the row's ``metadata`` object with its ``reference`` answer
+            under ``"reference"`` when the row has one (``docs/rewards.md``); ``{}`` otherwise.
+        step: the training step (for error messages and the HTTP request).
+        sequences: optional ``(B, T)`` token ids (prompt + answer), for a reward model.
+        attention_mask: optional ``(B, T)``.
+        prompt_len: width ``P`` of the (left-padded) prompt block of ``sequences``.
+    """
+
+    prompts: list[str]
+    answers: list[str]
+    metadata: list[dict] = field(default_factory=list)
+    step: int = 0
+    sequences: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    prompt_len: int | None = None
+
+    def __post_init__(self):
+        if not self.metadata:
+            self.metadata = [{} for _ in self.answers]
+        if not len(self.prompts) == len(self.answers) == len(self.metadata):
+            raise ValueError(f"RewardBatch: {len(self.prompts)} prompts, {len(self.answers)} answers and "
+                             f"{len(self.metadata)} metadata rows must be as many")
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+
+def reward_batch_from_tokens(tokenizer, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                             action_mask: torch.Tensor, prompt_len: int, metadata: Sequence[dict] | None = None,
+                             step: int = 0) -> RewardBatch:
+    """A :class:`RewardBatch` of step 3's rollouts: prompts and answers decoded, tokens kept.
+
+    The prompt is the block ``sequences[:, :prompt_len]`` where ``attention_mask`` is non-zero
+    (left padding dropped); the answer the tokens where ``action_mask`` is non-zero (through the
+    first EOS). Both are decoded with ``skip_special_tokens=True``.
+
+    Args:
+        tokenizer: the actor's tokenizer.
+        sequences, attention_mask: ``(B, P + A)``. action_mask: ``(B, A)``. prompt_len: ``P``.
+        metadata: ``B`` dicts (each row's reward metadata, repeated for the ``N`` answers of a
+            prompt), or ``None`` for ``{}`` each.
+        step: the training step.
+
+    Raises:
+        ValueError: shapes or lengths that do not match.
+    """
+    b, t = sequences.shape
+    if tuple(attention_mask.shape) != (b, t) or tuple(action_mask.shape) != (b, t - prompt_len):
+        raise ValueError(f"reward_batch_from_tokens: sequences {tuple(sequences.shape)}, attention_mask "
+                         f"{tuple(attention_mask.shape)} and action_mask {tuple(action_mask.shape)} do not fit "
+                         f"prompt_len {prompt_len}")
+    if metadata is not None and len(metadata) != b:
+        raise ValueError(f"reward_batch_from_tokens: {len(metadata)} metadata rows for {b} sequences")
+    seq = sequences.cpu()
+    prompts = [tokenizer.decode(seq[i, :prompt_len][attention_mask[i, :prompt_len].cpu() != 0],
+                                skip_special_tokens=True) for i in range(b)]
+    answers = [tokenizer.decode(seq[i, prompt_len:][action_mask[i].cpu() != 0], skip_special_tokens=True)
+               for i in range(b)]
+    meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in range(b)]
+    return RewardBatch(prompts, answers, meta, step, sequences, attention_mask, prompt_len)
+
+
+class RewardSource(Protocol):
+    """A reward: ``source(batch) -> (B,)`` float32 scores; ``name`` labels its log line."""
+
+    name: str
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor: ...
+
+
+def check_scores(values, n: int, where: str) -> torch.Tensor:
+    """``values`` (a sequence of numbers or a tensor) as a ``(n,)`` float32 CPU tensor.
+
+    Raises:
+        RewardError: wrong length, not numbers, or a non-finite value; the message names ``where``
+            and the first bad index.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().float().cpu().reshape(-1).tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(f"{where} returned a {type(values).__name__}, expected one float per answer") from None
+    if len(values) != n:
+        raise RewardError(f"{where} returned {len(values)} scores for {n} answers")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RewardError(f"{where}: score {i} is a {type(v).__name__} ({v!r}), expected a number")
+        if not math.isfinite(v):
+            raise RewardError(f"{where}: score {i} is not finite ({v})")
+        out.append(float(v))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+class ModelReward:
+    """A reward model's score, adapting the step-3 ``score_fn(sequences, attention_mask, prompt_len)``.
+
+    Args:
+        score_fn: returns ``(B,)`` end scores for ``(B, T)`` token ids (the reward engine).
+        name: log label.
+    """
+
+    def __init__(self, score_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], name: str = "model"):
+        self.score_fn, self.name = score_fn, name
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        if batch.sequences is None or batch.attention_mask is None or batch.prompt_len is None:
+            raise RewardError("the reward model needs the batch's token ids (sequences, attention_mask, prompt_len)")
+        scores = self.score_fn(batch.sequences, batch.attention_mask, batch.prompt_len)
+        return check_scores(scores, len(batch), f"reward model (step {batch.step})")
+
+
+class WeightedReward:
+    """``sum_k w_k * source_k(batch)``, with each part kept for logging.
+
+    Args:
+        parts: ``[(weight, source), ...]``, at least one; names must differ (a repeated name gets
+            ``#2``, ``#3`` appended).
+
+    Raises:
+        ValueError: no part, or a non-finite weight.
+    """
+
+    def __init__(self, parts: Sequence[tuple[float, RewardSource]]):
+        if not parts:
+            raise ValueError("no reward source: give a reward model, --reward_fn or --reward_url")
+        self.parts: list[tuple[float, str, RewardSource]] = []
+        seen: dict[str, int] = {}
+        for w, src in parts:
+            if not math.isfinite(float(w)):
+                raise ValueError(f"reward weight of {src.name!r} is not finite ({w})")
+            seen[src.name] = seen.get(src.name, 0) + 1
+            name = src.name if seen[src.name] == 1 else f"{src.name}#{seen[src.name]}"
+            self.parts.append((float(w), name, src))
+
+    @property
+    def needs_reward_model(self) -> bool:
+        return any(isinstance(src, ModelReward) for _, _, src in self.parts)
+
+    def __call__(self, batch: RewardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns ``(total (B,), {"reward/<name>": (B,) unweighted scores})``, float32 on CPU."""
+        total = torch.zeros(len(batch), dtype=torch.float32)
+        parts = {}
+        for w, name, src in self.parts:
+            s = src(batch).float().cpu()
+            parts[f"reward/{name}"] = s
+            total = total + w * s
+        return total, parts
+
+
+_WEIGHT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*\*\s*(.+)$")
+
+
+def split_weight(spec: str, flag: str) -> tuple[float, str]:
+    """``"0.5*target"`` -> ``(0.5, "target")``; ``"target"`` -> ``(1.0, "target")``.
+
+    Raises:
+        ValueError: empty target; the message names ``flag``.
+    """
+    m = _WEIGHT.match(spec)
+    weight, target = (float(m.group(1)), m.group(2).strip()) if m else (1.0, spec.strip())
+    if not target:
+        raise ValueError(f"{flag} {spec!r}: nothing to call after the weight")
+    return weight, target
+
+
+def score_on_all_ranks(score: Callable[[], torch.Tensor], *, rank: int, world_size: int,
+                       all_reduce_sum: AllReduce | None, step: int, device=None) -> torch.Tensor:
+    """Run ``score()`` on every rank and fail on EVERY rank if it failed on any, instead of hanging.
+
+    Each rank computes its own scores, then all ranks all-reduce a ``(world_size,)`` vector of
+    failure flags (one slot per rank). If any slot is set, every rank raises :class:`RewardError`:
+    the failing rank with its own error chained, the others naming the failed ranks. The next
+    collective (the training step's all-reduce) is then never entered by only some ranks.
+
+    Args:
+        score: the rank's scoring call, returning ``(B,)`` scores.
+        rank, world_size: this rank and the number of ranks.
+        all_reduce_sum: sums a tensor over ranks (a collective); ``None`` for one rank.
+        step: for the message. device: where the flag tensor lives (CUDA for NCCL).
+
+    Returns:
+        ``score()``'s result.
+
+    Raises:
+        RewardError: a rank failed.
+    """
+    err: BaseException | None = None
+    scores = None
+    try:
+        scores = score()
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the collective below
+        err = exc
+    flags = torch.zeros(world_size, dtype=torch.float32, device=device)
+    flags[rank] = 1.0 if err is not None else 0.0
+    if all_reduce_sum is not None:
+        flags = all_reduce_sum(flags)
+    failed = [r for r in range(world_size) if float(flags[r]) > 0]
+    if err is not None:
+        raise RewardError(f"rank {rank}: reward failed at step {step}: {err}") from err
+    if failed:
+        raise RewardError(f"rank {rank}: reward failed at step {step} on rank(s) {failed}; see their error")
+    return scores

@@ -1,0 +1,167 @@
+"""Reward sources (chatrl.rewards): built-ins, Python functions, the weighted sum, the rank check."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from chatrl.rewards import (
+    FunctionReward,
+    ModelReward,
+    RewardBatch,
+    RewardError,
+    WeightedReward,
+    build_reward,
+    check_scores,
+    load_reward_fn,
+    score_on_all_ranks,
+    split_weight,
+)
+from chatrl.rewards.builtin import exact_match, extract_final_number, regex_format
+
+
+def batch(answers, refs=None, step=3):
+    refs = refs or [None] * len(answers)
+    meta = [{} if r is None else {"reference": r} for r in refs]
+    return RewardBatch([f"q{i}" for i in range(len(answers))], list(answers), meta, step=step)
+
+
+def test_extract_final_number_and_exact_match():
+    assert extract_final_number("so 3 + 4 = 7.") == 7
+    assert extract_final_number("total: 1,234.5 dollars") == Fraction(2469, 2)
+    assert extract_final_number("-12") == -12 and extract_final_number("none") is None
+    answers = ["7", "the answer is 7.0", "8", "no idea", "3 + 4 = -7"]
+    assert exact_match([""] * 5, answers, [{"reference": "7"}] * 4 + [{"reference": -7}]) == [1, 1, 0, 0, 1]
+    with pytest.raises(ValueError, match="row 1 has no 'reference'"):
+        exact_match(["", ""], ["1", "2"], [{"reference": "1"}, {}])
+    with pytest.raises(ValueError, match="holds no number"):
+        exact_match([""], ["1"], [{"reference": "seven"}])
+
+
+def test_regex_format_default_and_per_row_pattern():
+    meta = [{}, {}, {"format_regex": r"^\s*-?\d+\s*$"}, {"format_regex": r"^\s*-?\d+\s*$"}]
+    assert regex_format([""] * 4, ["so 42", "42 apples", " -3 ", "x = 3"], meta) == [1, 0, 1, 0]
+    with pytest.raises(ValueError, match="row 0's format_regex"):
+        regex_format([""], ["a"], [{"format_regex": "("}])
+
+
+def test_load_reward_fn_builtin_module_file_and_errors(tmp_path):
+    assert load_reward_fn("exact_match") is exact_match
+    assert load_reward_fn("chatrl.rewards.builtin:regex_format") is regex_format
+    f = tmp_path / "my_reward.py"
+    f.write_text("def length(prompts, answers, metadata):\n    return [float(len(a)) for a in answers]\n"
+                 "NOT_CALLABLE = 3\n")
+    assert load_reward_fn(f"{f}:length")(["p"], ["abc"], [{}]) == [3.0]
+    with pytest.raises(ValueError, match="expected module:function"):
+        load_reward_fn("exact")
+    with pytest.raises(ImportError, match="cannot import 'no_such_module_xyz'.*ModuleNotFoundError"):
+        load_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(ImportError, match="no file"):
+        load_reward_fn(f"{tmp_path}/missing.py:f")
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        load_reward_fn("chatrl.rewards.builtin:nope")
+    with pytest.raises(TypeError, match="not a function"):
+        load_reward_fn(f"{f}:NOT_CALLABLE")
+
+
+def test_function_reward_checks_what_the_function_returns():
+    b = batch(["1", "2"])
+    assert FunctionReward(lambda p, a, m: [0.5, 1])(b).tolist() == [0.5, 1.0]
+    assert FunctionReward(lambda p, a, m: torch.tensor([0.5, 1.0]))(b).tolist() == [0.5, 1.0]
+    for bad, msg in [(lambda p, a, m: [1.0], "returned 1 scores for 2 answers"),
+                     (lambda p, a, m: [1.0, math.nan], "score 1 is not finite"),
+                     (lambda p, a, m: [1.0, "x"], "score 1 is a str"),
+                     (lambda p, a, m: 3.0, "returned a float"),
+                     (lambda p, a, m: 1 / 0, "raised ZeroDivisionError")]:
+        with pytest.raises(RewardError, match=f"--reward_fn '<lambda>' at step 3.*{msg}"):
+            FunctionReward(bad)(b)
+
+
+def test_metadata_reaches_the_function():
+    seen = []
+    FunctionReward(lambda p, a, m: seen.append((p, a, m)) or [0.0])(
+        RewardBatch(["What is 2+2?"], ["4"], [{"reference": "4", "level": 1}]))
+    assert seen == [(["What is 2+2?"], ["4"], [{"reference": "4", "level": 1}])]
+
+
+def test_weighted_reward_sums_parts_and_model_adapter():
+    b = batch(["7", "x"], refs=["7", "7"])
+    b.sequences, b.attention_mask, b.prompt_len = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4), 2
+    model = ModelReward(lambda s, m, p: torch.tensor([0.25, -1.0]))
+    total, parts = WeightedReward([(1.0, model), (2.0, FunctionReward("exact_match")),
+                                   (0.5, FunctionReward("exact_match"))])(b)
+    assert total.tolist() == [0.25 + 2.0 + 0.5, -1.0]
+    assert set(parts) == {"reward/model", "reward/exact_match", "reward/exact_match#2"}
+    with pytest.raises(ValueError, match="no reward source"):
+        WeightedReward([])
+    with pytest.raises(RewardError, match="needs the batch's token ids"):
+        model(batch(["a"]))
+
+
+def test_build_reward_parses_weights():
+    assert split_weight("0.2*regex_format", "--reward_fn") == (0.2, "regex_format")
+    assert split_weight("exact_match", "--reward_fn") == (1.0, "exact_match")
+    assert split_weight("1e-1 * http://h:1/", "--reward_url") == (0.1, "http://h:1/")
+    r = build_reward(["exact_match", "0.5*regex_format"], ["2*http://127.0.0.1:9/"])
+    assert [(w, n) for w, n, _ in r.parts] == [(1.0, "exact_match"), (0.5, "regex_format"), (2.0, "http")]
+    assert not r.needs_reward_model
+    with pytest.raises(ValueError, match="--reward_url 'ftp://x'"):
+        build_reward([], ["ftp://x"])
+
+
+def test_check_scores():
+    assert check_scores([1, 2.5], 2, "x").dtype == torch.float32
+    with pytest.raises(RewardError, match="x: score 0 is a bool"):
+        check_scores([True], 1, "x")
+
+
+def test_score_on_all_ranks_fails_everywhere_when_one_rank_fails():
+    from tests.unit.test_critic_free import simulate_ranks
+
+    def ok():
+        return torch.ones(2)
+
+    def boom():
+        raise RewardError("server down")
+
+    assert score_on_all_ranks(ok, rank=0, world_size=1, all_reduce_sum=None, step=1).tolist() == [1.0, 1.0]
+
+    def on_rank(rank, reduce):
+        try:
+            return score_on_all_ranks(boom if rank == 1 else ok, rank=rank, world_size=2, all_reduce_sum=reduce,
+                                      step=5)
+        except RewardError as exc:
+            return str(exc)
+
+    msgs = simulate_ranks(on_rank, 2)
+    assert msgs[0] == "rank 0: reward failed at step 5 on rank(s) [1]; see their error"
+    assert msgs[1] == "rank 1: reward failed at step 5: server down"
+
+
+def test_reward_batch_from_tokens_decodes_prompt_and_answer_only():
+    from chatrl.models import load_tokenizer
+    from chatrl.rewards import reward_batch_from_tokens
+    from tests.conftest import TOKENIZERS
+
+    tok = load_tokenizer(str(TOKENIZERS / "gpt2"))
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    p1, p2 = tok.encode("What is 2+2?"), tok.encode("Hi")
+    a1, a2 = tok.encode(" 4"), tok.encode(" hello there")
+    P = max(len(p1), len(p2))
+    A = max(len(a1), len(a2)) + 2
+    rows, masks, acts = [], [], []
+    for p, a in ((p1, a1), (p2, a2)):
+        answer = a + [eos] + [pad] * (A - len(a) - 1)
+        rows.append([pad] * (P - len(p)) + p + answer)
+        masks.append([0] * (P - len(p)) + [1] * len(p) + [1] * (len(a) + 1) + [0] * (A - len(a) - 1))
+        acts.append([1] * (len(a) + 1) + [0] * (A - len(a) - 1))
+    seq, mask, act = torch.tensor(rows), torch.tensor(masks), torch.tensor(acts)
+    b = reward_batch_from_tokens(tok, seq, mask, act, P, [{"reference": "4"}, {}], step=7)
+    assert b.prompts == ["What is 2+2?", "Hi"] and b.answers == [" 4", " hello there"]
+    assert b.metadata == [{"reference": "4"}, {}] and b.step == 7 and b.prompt_len == P
+    assert FunctionReward("exact_match")(RewardBatch(b.prompts[:1], b.answers[:1], b.metadata[:1])).tolist() == [1.0]
+    with pytest.raises(ValueError, match="1 metadata rows for 2 sequences"):
+        reward_batch_from_tokens(tok, seq, mask, act, P, [{}])
