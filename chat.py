@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
 
     from chatrl.data.formatting import uses_chat_template
-    from chatrl.models import load_tokenizer
+    from chatrl.models import load_tokenizer, stop_token_ids
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             out = model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
                 do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id,
+                repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer),
                 pad_token_id=tokenizer.pad_token_id, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()

@@ -83,7 +83,9 @@ def fit_embeddings(model, tokenizer) -> None:
     """Resize ``model``'s embeddings to cover ``tokenizer`` (multiple of 8) and record its special ids.
 
     Only grows the matrix: a model whose vocabulary already covers the tokenizer keeps its size
-    (OPT's checkpoints carry spare rows). ``config.pad_token_id`` is set to the tokenizer's pad id.
+    (OPT's checkpoints carry spare rows). ``config.pad_token_id`` is set to the tokenizer's pad id,
+    and the generation config's EOS ids to :func:`stop_token_ids` (so plain ``generate`` on the model,
+    and on its export, stops at the chat template's end-of-turn token too).
     """
     need = len(tokenizer)
     have = model.get_input_embeddings().weight.shape[0]
@@ -93,6 +95,8 @@ def fit_embeddings(model, tokenizer) -> None:
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
+        stops = stop_token_ids(tokenizer)
+        gen.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
 def load_causal_lm(
@@ -262,3 +266,47 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     return out.logits
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The text of every special token of ``tokenizer`` (BOS, EOS, pad, a chat template's markers…)."""
+    texts = set(tokenizer.all_special_tokens)
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            texts.add(str(tok.content))
+    return sorted(t for t in texts if t)
+
+
+_EOT_PROBE = "\x00chatrl-end-of-turn-probe\x00"
+
+
+def end_of_turn_token_id(tokenizer) -> int:
+    """The token that ends an assistant turn: the chat template's, else the tokenizer's EOS.
+
+    With a chat template, the first special token the template writes after an assistant message
+    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ``</s>`` for Llama 2); the EOS when the
+    template writes none.
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token")
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.eos_token_id
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": _EOT_PROBE}], tokenize=False)
+    after = text.split(_EOT_PROBE, 1)[1] if _EOT_PROBE in text else ""
+    special = set(tokenizer.all_special_ids) | {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                                 if getattr(t, "special", False)}
+    for i in tokenizer(after, add_special_tokens=False)["input_ids"]:
+        if i in special and i != tokenizer.pad_token_id:
+            return int(i)
+    return tokenizer.eos_token_id
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids that end a generated answer: the end-of-turn token (:func:`end_of_turn_token_id`) first,
+    then the EOS when it differs. Generation, step 3's action mask and EOS metrics use all of them."""
+    eot = end_of_turn_token_id(tokenizer)
+    return [eot] if eot == tokenizer.eos_token_id else [eot, tokenizer.eos_token_id]

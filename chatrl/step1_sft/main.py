@@ -70,12 +70,13 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
 
 @torch.no_grad()
 def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, zero_stage: int, info) -> float:
-    """Share of greedy answers to the first ``n_samples`` eval prompts that contain EOS.
+    """Share of greedy answers to the first ``n_samples`` eval prompts that end their turn (EOS or
+    the chat template's end-of-turn token, :func:`chatrl.models.stop_token_ids`).
 
     Prompts are left-padded; generation is synced across ranks under ZeRO-3.
     """
     from chatrl.dist import all_reduce_sum
-    from chatrl.models import base_model
+    from chatrl.models import base_model, stop_token_ids
 
     engine.eval()
     rows = [dataset[i] for i in range(min(n_samples, len(dataset)))]
@@ -90,10 +91,10 @@ def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, ze
         mask[i, width - len(p):] = 1
     out = base_model(engine.module).generate(
         input_ids=ids.to(info.device), attention_mask=mask.to(info.device), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        do_sample=False, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
         synced_gpus=zero_stage == 3 and info.world_size > 1)
     answers = out[:, width:]
-    ended = (answers == tokenizer.eos_token_id).any(dim=1)[: len(mine)]
+    ended = torch.isin(answers, torch.tensor(stop_token_ids(tokenizer), device=answers.device)).any(dim=1)[: len(mine)]
     engine.train()
     counts = all_reduce_sum(torch.tensor([ended.sum().item(), len(mine)], dtype=torch.float64))
     return counts[0].item() / max(counts[1].item(), 1)

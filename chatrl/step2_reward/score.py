@@ -17,7 +17,7 @@ Output: one JSON object per pair on stdout (``index``, ``chosen``, ``rejected``,
 object (``pairs``, ``accuracy``, ``mean_chosen``, ``mean_rejected``, ``mean_margin``, ``skipped``).
 
 Texts are formatted exactly as in training (:func:`chatrl.data.formatting.format_prompt`: the
-tokenizer's chat template, else the ``Human: … Assistant:`` convention), answers end with one EOS,
+tokenizer's chat template, else the ``Human: … Assistant:`` convention), answers end with one end-of-turn token,
 and an over-long prompt loses its oldest tokens. A prompt that is a ``"\\n\\nHuman: …
 \\n\\nAssistant:"`` transcript is split into its turns; any other prompt is one user message.
 """
@@ -63,13 +63,13 @@ def encode_rows(tokenizer, samples, max_seq_len: int) -> list[tuple[list[int], l
     """Token ids per sample: ``(prompt + chosen, prompt + rejected or None)``, or ``None`` when an
     answer alone does not fit ``max_seq_len``. Both sides share one left-cut prompt, as in training."""
     from chatrl.data.examples import left_cut
-    from chatrl.data.formatting import encode_answers, encode_prompts
+    from chatrl.data.formatting import encode_examples
 
-    prompts = encode_prompts(tokenizer, [s.messages for s in samples])
-    chosen = encode_answers(tokenizer, [s.chosen for s in samples])
-    rejected = encode_answers(tokenizer, [s.rejected or "" for s in samples])
+    messages = [s.messages for s in samples]
+    chosen = encode_examples(tokenizer, messages, [s.chosen for s in samples])
+    rejected = [a for _, a in encode_examples(tokenizer, messages, [s.rejected or "" for s in samples])]
     out = []
-    for s, p, c, r in zip(samples, prompts, chosen, rejected, strict=True):
+    for s, (p, c), r in zip(samples, chosen, rejected, strict=True):
         r = r if s.rejected is not None else None
         cut = left_cut(p, max_seq_len - max(len(c), len(r or [])), tokenizer.bos_token_id)
         out.append(None if cut is None else (cut + c, None if r is None else cut + r))

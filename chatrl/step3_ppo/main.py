@@ -104,6 +104,7 @@ def build_parser():
 def make_generate(actor_engine, args, tokenizer):
     """The rollout function: the hybrid engine's generate with the sampling flags bound."""
     from chatrl.hybrid_engine import HybridEngine
+    from chatrl.models import stop_token_ids
 
     hybrid = HybridEngine(actor_engine, enable=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
                           tp_gather_partition_size=args.tp_gather_partition_size,
@@ -112,7 +113,7 @@ def make_generate(actor_engine, args, tokenizer):
     def generate(ids, mask):
         return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len, do_sample=True,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                               eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
 
     return hybrid, generate
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from chatrl import dist
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
-    from chatrl.models import load_tokenizer
+    from chatrl.models import load_tokenizer, stop_token_ids
     from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         return scores * float("nan") if step + 1 in args.debug_nonfinite_steps else scores
 
     trainer = PPOTrainer(engines.actor, engines.critic, engines.reference, score_fn, generate, kl_ctl, settings,
-                         tokenizer.eos_token_id, tokenizer.pad_token_id, ema=engines.ema,
+                         stop_token_ids(tokenizer), tokenizer.pad_token_id, ema=engines.ema,
                          on_actor_step=hybrid.mark_weights_stale)
     tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
                       progress=not args.disable_progress_bar)
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t1 = time.time()
                 learned = trainer.learn(exp, ptx_iter)
                 times["time/train"] = time.time() - t1
-                for k, v in {**summarize(exp, kl_ctl.value, tokenizer.eos_token_id), **learned, **times,
+                for k, v in {**summarize(exp, kl_ctl.value, trainer.eos), **learned, **times,
                              **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / args.generation_batches
             step += 1

@@ -101,7 +101,8 @@ class PPOTrainer:
         score_fn: the reward, see :data:`ScoreFn` (a reward model's end score, or a rule).
         generate: ``generate(input_ids, attention_mask) -> sequences (B, P + A)`` (the hybrid engine).
         kl_controller: :class:`core.FixedKLController` or :class:`core.AdaptiveKLController`.
-        eos_token_id, pad_token_id: the actor tokenizer's ids.
+        eos_token_id: the id, or ids, that end an answer (:func:`chatrl.models.stop_token_ids`: the
+            chat template's end-of-turn token and the EOS). pad_token_id: the actor tokenizer's pad.
         ema: optional EMA copy of the actor, updated after every actor step (ZeRO-3 partitions are
             averaged in place, no gather).
         on_actor_step: called after every actor optimizer step (the hybrid engine marks its
@@ -109,7 +110,7 @@ class PPOTrainer:
     """
 
     def __init__(self, actor, critic, reference, score_fn: ScoreFn, generate, kl_controller, settings: PPOSettings,
-                 eos_token_id: int, pad_token_id: int, ema=None, on_actor_step: Callable[[], None] | None = None):
+                 eos_token_id: int | list[int], pad_token_id: int, ema=None, on_actor_step: Callable[[], None] | None = None):
         self.actor, self.critic, self.reference = actor, critic, reference
         self.score_fn, self.generate = score_fn, generate
         self.kl_ctl, self.s = kl_controller, settings
@@ -143,7 +144,7 @@ class PPOTrainer:
             parts["values"].append(answer_values(self.critic, s, m, P))
         out = {k: torch.cat(v) for k, v in parts.items()}
         scores = self.score_fn(seq, mask, P).float()
-        has_eos = (answer == self.eos).any(dim=1)
+        has_eos = (torch.isin(answer, torch.as_tensor(self.eos, device=answer.device)) & (action_mask > 0)).any(dim=1)
         if self.s.penalty_no_eos:
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
         rewards, kl = core.compute_rewards(scores, out["logp"], out["ref_logp"], action_mask, self.kl_ctl.value,
@@ -219,7 +220,7 @@ def update_ema(ema: torch.nn.Module, model: torch.nn.Module, beta: float) -> Non
         dst.mul_(beta).add_(src.to(dst.dtype), alpha=1.0 - beta)
 
 
-def summarize(exp: Experience, kl_coef: float, eos_token_id: int) -> dict:
+def summarize(exp: Experience, kl_coef: float, eos_token_id: int | list[int]) -> dict:
     """Rollout statistics of one rank (means over rollouts or over action tokens), see ``docs/ppo.md``."""
     m = exp.action_mask
     answer = exp.sequences[:, exp.prompt_len:]
@@ -231,6 +232,7 @@ def summarize(exp: Experience, kl_coef: float, eos_token_id: int) -> dict:
         "entropy": core.masked_mean(exp.entropy, m),
         "explained_variance": core.explained_variance(exp.values, exp.returns, m),
         "answer_len": m.sum(dim=1).float().mean(),
-        "eos_rate": ((answer == eos_token_id) & (m > 0)).any(dim=1).float().mean(),
+        "eos_rate": (torch.isin(answer, torch.as_tensor(eos_token_id, device=answer.device)) & (m > 0))
+        .any(dim=1).float().mean(),
         "kl_coef": torch.tensor(float(kl_coef)),
     }
