@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", required=True, help="an HF model folder (e.g. a step-1 or step-3 actor) or hub name")
     p.add_argument("--max_new_tokens", type=int, default=128, help="answer budget per turn (tokens)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy decoding)")
     p.add_argument("--top_p", type=float, default=0.9)
     p.add_argument("--top_k", type=int, default=0)
     p.add_argument("--repetition_penalty", type=float, default=1.0)
@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
 
     from chatrl.data.formatting import uses_chat_template
-    from chatrl.models import load_tokenizer, stop_token_ids
+    from chatrl.models import load_tokenizer, sampling_settings, stop_token_ids
 
+    try:
+        sampling = sampling_settings(args.temperature, args.top_k, args.top_p, greedy=args.greedy)
+    except ValueError as e:
+        build_parser().error(str(e))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(args.path, trust_remote_code=args.trust_remote_code).to(device).eval()
@@ -104,8 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-                do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer),
+                **sampling, repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer),
                 pad_token_id=tokenizer.pad_token_id, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()

@@ -310,3 +310,27 @@ def stop_token_ids(tokenizer) -> list[int]:
     then the EOS when it differs. Generation, step 3's action mask and EOS metrics use all of them."""
     eot = end_of_turn_token_id(tokenizer)
     return [eot] if eot == tokenizer.eos_token_id else [eot, tokenizer.eos_token_id]
+
+
+def sampling_settings(temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> dict:
+    """``generate`` keyword arguments for the sampling flags: ``{"do_sample": False}`` for greedy
+    decoding (``greedy`` or ``--temperature 0``), else ``do_sample`` with the three settings.
+
+    Temperature 0 is the limit of sampling at falling temperature: the most likely token, i.e.
+    greedy decoding (HF ``generate`` refuses it and dividing the logits by 0 gives NaN).
+
+    Raises:
+        ValueError: naming ``--temperature`` (negative or not finite), ``--top_k`` (negative) or
+            ``--top_p`` (outside ``(0, 1]``), so that a step refuses at start-up.
+    """
+    import math
+
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy decoding), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"--top_k must be >= 0 (0: no top-k filter), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1] (1: no nucleus filter), got {top_p}")
+    if greedy or temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}

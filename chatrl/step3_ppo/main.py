@@ -78,7 +78,7 @@ def build_parser():
     g.add_argument("--lam", type=float, default=0.95)
     g.add_argument("--whiten_advantages", action="store_true")
     g.add_argument("--penalty_no_eos", type=float, default=0.0, help="subtracted from the score of answers without EOS")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy decoding)")
     g.add_argument("--top_k", type=int, default=0)
     g.add_argument("--top_p", type=float, default=1.0)
     g = p.add_argument_group("distributed and hybrid engine")
@@ -104,15 +104,15 @@ def build_parser():
 def make_generate(actor_engine, args, tokenizer):
     """The rollout function: the hybrid engine's generate with the sampling flags bound."""
     from chatrl.hybrid_engine import HybridEngine
-    from chatrl.models import stop_token_ids
+    from chatrl.models import sampling_settings, stop_token_ids
 
     hybrid = HybridEngine(actor_engine, enable=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
                           tp_gather_partition_size=args.tp_gather_partition_size,
                           release_inference_cache=args.release_inference_cache)
 
     def generate(ids, mask):
-        return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len, do_sample=True,
-                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len,
+                               **sampling_settings(args.temperature, args.top_k, args.top_p),
                                eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
 
     return hybrid, generate
@@ -134,13 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     from chatrl import dist
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
-    from chatrl.models import load_tokenizer, stop_token_ids
+    from chatrl.models import load_tokenizer, sampling_settings, stop_token_ids
     from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
     from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
     from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
 
+    sampling_settings(args.temperature, args.top_k, args.top_p)  # bad sampling flags fail here, not after loading
     set_progress("step 3 (PPO)")
     info = dist.init_distributed()
     setup_logging(info.rank)

@@ -140,3 +140,26 @@ def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
     assert model.generation_config.eos_token_id == [im_end, tok.eos_token_id]
     save_hf_model(model, tok, tmp_path / "out")
     assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [im_end, tok.eos_token_id]
+
+
+def test_sampling_settings_temperature_0_is_greedy_and_bad_values_name_the_flag():
+    """issue 16 item 4: temperature 0 means greedy decoding everywhere, bad values fail at start-up."""
+    from chatrl.models import sampling_settings
+
+    assert sampling_settings(0.0, 50, 0.9) == {"do_sample": False}
+    assert sampling_settings(0.7, 0, 1.0, greedy=True) == {"do_sample": False}
+    assert sampling_settings(0.7, 5, 0.9) == {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
+    for kw, flag in [({"temperature": -0.5}, "--temperature"), ({"temperature": float("nan")}, "--temperature"),
+                     ({"temperature": 1.0, "top_k": -1}, "--top_k"), ({"temperature": 1.0, "top_p": 0.0}, "--top_p")]:
+        with pytest.raises(ValueError, match=flag):
+            sampling_settings(**kw)
+
+
+def test_decode_at_temperature_0_is_argmax():
+    """The hybrid engine's decoder with the settings of --temperature 0: argmax, no NaN."""
+    from chatrl.hybrid_engine.decode import GenerationSettings, pick_tokens, process_logits
+    from chatrl.models import sampling_settings
+
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    s = GenerationSettings(max_new_tokens=1, **{"temperature": 1.0, **sampling_settings(0.0)})
+    assert pick_tokens(process_logits(logits, s, 0), s).tolist() == [1, 0]
