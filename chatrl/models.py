@@ -334,3 +334,47 @@ def sampling_settings(temperature: float, top_k: int = 0, top_p: float = 1.0, gr
     if greedy or temperature == 0:
         return {"do_sample": False}
     return {"do_sample": True, "temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
+
+
+_WINDOW_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def context_window(config) -> int | None:
+    """Tokens a model can attend over: its config's ``max_position_embeddings`` (or GPT-2's
+    ``n_positions`` …); None when the config names no limit."""
+    for key in _WINDOW_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_window(path: str, budgets: dict[str, int], trust_remote_code: bool = False) -> int | None:
+    """Refuse sequence budgets beyond the model's context window, before anything is loaded.
+
+    Args:
+        path: the model folder or hub name (only its config is read).
+        budgets: flag text → tokens, e.g. ``{"--max_seq_len": 512}`` or
+            ``{"--max_prompt_seq_len + --max_answer_seq_len": 256 + 256}``.
+
+    Returns the window (None when the config names none; nothing is checked then).
+
+    Raises:
+        ValueError: naming the flag, its value, the model and its limit (positions past the window
+            would otherwise fail late as ``IndexError: index out of range in self``).
+        FileNotFoundError / OSError: as :func:`load_causal_lm` for a path without a config.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error(path, "model", err) from err
+    window = context_window(config)
+    if window is None:
+        return None
+    for flag, tokens in budgets.items():
+        if tokens > window:
+            raise ValueError(f"{flag} {tokens} exceeds the context window of {path} ({window} positions, "
+                             f"its config's max_position_embeddings); lower {flag.split(' + ')[0]}")
+    return window

@@ -116,6 +116,7 @@ def run(argv: list[str] | None = None) -> dict:
         LoraSettings,
         apply_lora,
         causal_lm_logits,
+        check_context_window,
         enable_gradient_checkpointing,
         load_causal_lm,
         load_tokenizer,
@@ -124,6 +125,7 @@ def run(argv: list[str] | None = None) -> dict:
     from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step1_sft.loss import token_nll
 
+    check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
     set_progress("step 1 (SFT)")
     info = dist.init_distributed()
     setup_logging(info.rank)

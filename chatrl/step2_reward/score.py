@@ -113,11 +113,15 @@ def main(argv: list[str] | None = None, out=None) -> dict:
 
     from chatrl.data.schema import Sample
     from chatrl.data.sources import load_samples
-    from chatrl.models import load_tokenizer
+    from chatrl.models import check_context_window, load_tokenizer
     from chatrl.step2_reward.model import load_reward_model
 
     transformers.logging.set_verbosity_error()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        check_context_window(args.model, {"--max_seq_len": args.max_seq_len})
+    except ValueError as e:
+        parser.error(str(e))
     tokenizer = load_tokenizer(args.model)
     model = load_reward_model(args.model, tokenizer, dtype=args.dtype, require_head=True).to(device).eval()
     if args.pairs:

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from chatrl import dist
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
-    from chatrl.models import load_tokenizer, sampling_settings, stop_token_ids
+    from chatrl.models import check_context_window, load_tokenizer, sampling_settings, stop_token_ids
     from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
 
     sampling_settings(args.temperature, args.top_k, args.top_p)  # bad sampling flags fail here, not after loading
+    for path in {args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path} - {None}:
+        check_context_window(path, {"--max_prompt_seq_len + --max_answer_seq_len":
+                                    args.max_prompt_seq_len + args.max_answer_seq_len}, args.trust_remote_code)
     set_progress("step 3 (PPO)")
     info = dist.init_distributed()
     setup_logging(info.rank)

@@ -294,3 +294,40 @@ def test_unusable_source_is_named_among_good_ones(gpt2, tmp_path):
     with pytest.raises(ValueError) as err:
         phase(1, [good, long], gpt2, max_seq_len=16)
     assert str(err.value) == f"{long!r}: no usable rows for phase 1 ({long}: 1 rows, 0 used, skipped 1 too_long)"
+
+
+# 18 ----------------------------------------------------------------------------------------------
+def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, capsys):
+    """issue 16 item 8: every length flag of every step, chat and the scoring tool, before any loading."""
+    import importlib.util
+
+    from chatrl.step1_sft.main import main as step1
+    from chatrl.step2_reward.main import main as step2
+    from chatrl.step2_reward.score import main as score
+    from chatrl.step3_ppo.main import main as step3
+    from chatrl.tiny import TinySpec, make_tiny_model
+    from tests.conftest import REPO
+
+    opt = tmp_path / "opt64"
+    make_tiny_model("opt", opt, TinySpec(hidden=32, layers=1, heads=2, ffn=64, max_positions=64))
+    common = ["--data_path", str(tmp_path / "never_read.jsonl"), "--output_dir", str(tmp_path / "out")]
+    (tmp_path / "never_read.jsonl").write_text("{}\n")
+    for main in (step1, step2):
+        with pytest.raises(ValueError) as err:
+            main(["--model_name_or_path", str(opt), "--max_seq_len", "128", *common])
+        assert str(err.value) == (f"--max_seq_len 128 exceeds the context window of {opt} (64 positions, "
+                                  "its config's max_position_embeddings); lower --max_seq_len")
+    with pytest.raises(ValueError) as err:
+        step3(["--actor_model_name_or_path", str(STORIES), "--critic_model_name_or_path", str(opt),
+               "--max_prompt_seq_len", "32", "--max_answer_seq_len", "48", *common])
+    assert str(err.value).startswith(f"--max_prompt_seq_len + --max_answer_seq_len 80 exceeds the context window "
+                                     f"of {opt} (64 positions")
+    with pytest.raises(SystemExit):
+        score(["--model", str(opt), "--prompt", "Hi", "--chosen", "Yes", "--max_seq_len", "65"])
+    assert "--max_seq_len 65 exceeds the context window" in capsys.readouterr().err
+    spec = importlib.util.spec_from_file_location("_chatrl_chat_18", REPO / "chat.py")
+    chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat)
+    with pytest.raises(SystemExit):
+        chat.main(["--path", str(opt), "--max_new_tokens", "64"])
+    assert "--max_new_tokens + 1 prompt token 65 exceeds the context window" in capsys.readouterr().err
