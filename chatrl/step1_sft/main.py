@@ -46,7 +46,8 @@ def build_parser():
 
 @torch.no_grad()
 def evaluate(engine, dataset, collate, args, info) -> dict:
-    """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks."""
+    """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks
+    (NaN, with ``eval/tokens`` 0, when the eval split is empty)."""
     from chatrl.dist import all_reduce_sum, eval_batches
     from chatrl.models import causal_lm_logits
     from chatrl.step1_sft.loss import IGNORE_INDEX, token_nll
@@ -64,7 +65,7 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
         total += torch.tensor([nll.item(), n.item()], dtype=torch.float64)
     engine.train()
     nll_sum, n_tokens = all_reduce_sum(total).tolist()
-    loss = nll_sum / max(n_tokens, 1)
+    loss = nll_sum / n_tokens if n_tokens else math.nan
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/tokens": n_tokens}
 
 
@@ -80,6 +81,8 @@ def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, ze
 
     engine.eval()
     rows = [dataset[i] for i in range(min(n_samples, len(dataset)))]
+    if not rows:
+        return math.nan
     mine = rows[info.rank::info.world_size]
     per_rank = math.ceil(len(rows) / info.world_size)
     prompts = [r["input_ids"][: r["prompt_len"]] for r in mine] + [rows[0]["input_ids"][:1]] * (per_rank - len(mine))

@@ -331,3 +331,33 @@ def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, 
     with pytest.raises(SystemExit):
         chat.main(["--path", str(opt), "--max_new_tokens", "64"])
     assert "--max_new_tokens + 1 prompt token 65 exceeds the context window" in capsys.readouterr().err
+
+
+# 19 ----------------------------------------------------------------------------------------------
+def test_empty_eval_split_is_cached_like_the_uncached_build_and_training_proceeds(stories_tok, tmp_path, caplog):
+    """issue 16 item 9: both held-out rows too long → an empty eval split; the cache used to keep an
+    entry that failed every rerun with IndexError."""
+    import logging
+
+    from tests.conftest import DATA
+    from tests.launch import run_ranks
+
+    entry = str(DATA / "hh-rlhf" / "helpful-base") + "[0:32]"
+    kw = dict(data_split="1,0,0", max_seq_len=128)
+    plain = build_phase_data(1, [entry], stories_tok, cache_dir=None, **kw)
+    assert (len(plain.train), len(plain.eval)) == (19, 0)
+    for _ in range(2):  # the build that writes the entry, then a rerun that reads it
+        with caplog.at_level(logging.WARNING, logger="chatrl.data.pipeline"):
+            cached = build_phase_data(1, [entry], stories_tok, cache_dir=str(tmp_path / "cache"), **kw)
+        assert (len(cached.train), len(cached.eval)) == (19, 0)
+        assert [x["input_ids"].tolist() for x in cached.train] == [x["input_ids"].tolist() for x in plain.train]
+        assert "the eval split is empty" in caplog.text and "training proceeds without evaluation" in caplog.text
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+    proc = run_ranks(["-m", "chatrl.step1_sft", "--model_name_or_path", str(STORIES), "--data_path", entry,
+                      "--data_split", "1,0,0", "--max_seq_len", "128", "--max_steps", "1",
+                      "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"),
+                      "--disable_progress_bar"], nprocs=1, timeout=300)
+    assert "training proceeds without evaluation" in proc.stdout + proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1]
+    assert all(r["eval/tokens"] == 0 for r in rows if "eval/tokens" in r)
