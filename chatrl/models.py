@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chatrl.errors import UsageError
+
 log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<pad>"
@@ -326,11 +328,11 @@ def sampling_settings(temperature: float, top_k: int = 0, top_p: float = 1.0, gr
     import math
 
     if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy decoding), got {temperature}")
+        raise UsageError(f"--temperature must be >= 0 (0: greedy decoding), got {temperature}")
     if top_k < 0:
-        raise ValueError(f"--top_k must be >= 0 (0: no top-k filter), got {top_k}")
+        raise UsageError(f"--top_k must be >= 0 (0: no top-k filter), got {top_k}")
     if not 0 < top_p <= 1:
-        raise ValueError(f"--top_p must be in (0, 1] (1: no nucleus filter), got {top_p}")
+        raise UsageError(f"--top_p must be in (0, 1] (1: no nucleus filter), got {top_p}")
     if greedy or temperature == 0:
         return {"do_sample": False}
     return {"do_sample": True, "temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
@@ -375,6 +377,6 @@ def check_context_window(path: str, budgets: dict[str, int], trust_remote_code: 
         return None
     for flag, tokens in budgets.items():
         if tokens > window:
-            raise ValueError(f"{flag} {tokens} exceeds the context window of {path} ({window} positions, "
+            raise UsageError(f"{flag} {tokens} exceeds the context window of {path} ({window} positions, "
                              f"its config's max_position_embeddings); lower {flag.split(' + ')[0]}")
     return window
