@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl.resilience import LoopCheckpoints, batches_from, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo import core
-    from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
+    from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible, seed_rollouts
     from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
 
     sampling_settings(args.temperature, args.top_k, args.top_p)  # bad sampling flags fail here, not after loading
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         ptx_iter = Cycle(ptx_loader, info.device)
 
     engines = build_engines(args, tokenizer, info, total_opt_steps)
+    seed_rollouts(args.seed, info.rank)  # per-rank sampling: ranks given the same prompt answer differently
     hybrid, generate = make_generate(engines.actor, args, tokenizer)
     kl_ctl = (core.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon)
               if args.kl_ctl == "adaptive" else core.FixedKLController(args.init_kl_coef))
