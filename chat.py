@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(args.path, trust_remote_code=args.trust_remote_code).to(device).eval()
     window = context_window(model.config) or tokenizer.model_max_length
-    budget = window - args.max_new_tokens  # checked >= 1 above
+    budget = max(1, window - args.max_new_tokens)  # >= 1 checked above when the config names its window
     if args.seed is not None:
         torch.manual_seed(args.seed)
     stop = None if uses_chat_template(tokenizer) else [HUMAN_MARKER]
