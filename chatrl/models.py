@@ -351,11 +351,12 @@ def context_window(config) -> int | None:
     return None
 
 
-def check_context_window(path: str, budgets: dict[str, int], trust_remote_code: bool = False) -> int | None:
+def check_context_window(path, budgets: dict[str, int], trust_remote_code: bool = False) -> int | None:
     """Refuse sequence budgets beyond the model's context window, before anything is loaded.
 
     Args:
-        path: the model folder or hub name (only its config is read).
+        path: the model folder or hub name (only its config is read), or a list of them (``None``
+            entries and repeats are skipped; the smallest window is returned).
         budgets: flag text → tokens, e.g. ``{"--max_seq_len": 512}`` or
             ``{"--max_prompt_seq_len + --max_answer_seq_len": 256 + 256}``.
 
@@ -368,6 +369,9 @@ def check_context_window(path: str, budgets: dict[str, int], trust_remote_code: 
     """
     from transformers import AutoConfig
 
+    if not isinstance(path, str):
+        windows = [check_context_window(p, budgets, trust_remote_code) for p in dict.fromkeys(path) if p is not None]
+        return min((w for w in windows if w is not None), default=None)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:

@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl.step3_ppo.trainer import PPOSettings, PPOTrainer, summarize
 
     sampling_settings(args.temperature, args.top_k, args.top_p)  # bad sampling flags fail here, not after loading
-    for path in {args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path} - {None}:
-        check_context_window(path, {"--max_prompt_seq_len + --max_answer_seq_len":
-                                    args.max_prompt_seq_len + args.max_answer_seq_len}, args.trust_remote_code)
+    check_context_window([args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path],
+                         {"--max_prompt_seq_len + --max_answer_seq_len": args.max_prompt_seq_len + args.max_answer_seq_len},
+                         args.trust_remote_code)
     set_progress("step 3 (PPO)")
     info = dist.init_distributed()
     setup_logging(info.rank)
