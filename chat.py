@@ -76,13 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
 
     from chatrl.data.formatting import uses_chat_template
-    from chatrl.models import load_tokenizer
+    from chatrl.models import (
+        check_context_window,
+        context_window,
+        load_tokenizer,
+        sampling_settings,
+        stop_token_ids,
+    )
 
+    try:
+        sampling = sampling_settings(args.temperature, args.top_k, args.top_p, greedy=args.greedy)
+        check_context_window(args.path, {"--max_new_tokens + 1 prompt token": args.max_new_tokens + 1},
+                             args.trust_remote_code)
+    except ValueError as e:
+        build_parser().error(str(e))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(args.path, trust_remote_code=args.trust_remote_code).to(device).eval()
-    window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    budget = max(8, window - args.max_new_tokens)
+    window = context_window(model.config) or tokenizer.model_max_length
+    budget = max(1, window - args.max_new_tokens)  # >= 1 checked above when the config names its window
     if args.seed is not None:
         torch.manual_seed(args.seed)
     stop = None if uses_chat_template(tokenizer) else [HUMAN_MARKER]
@@ -112,8 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-                do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id,
+                **sampling, repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer),
                 pad_token_id=tokenizer.pad_token_id, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()

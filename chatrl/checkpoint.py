@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from chatrl.dist import barrier, get_rank, is_main
+from chatrl.dist import barrier, get_rank, get_world_size, is_main
+from chatrl.errors import UsageError
 from chatrl.resilience import NonFiniteError, NonFiniteGuard
 
 log = logging.getLogger(__name__)
@@ -233,6 +234,8 @@ class LoopCheckpoints:
 
         Raises:
             FileNotFoundError: ``--resume_from_checkpoint`` is not a complete checkpoint.
+            UsageError: the checkpoint was written with another world size or batch layout
+                (:func:`check_resume_layout`).
         """
         path = resume_path(self.args)
         if path is None:
@@ -240,6 +243,7 @@ class LoopCheckpoints:
                 log.info("--resume: no complete checkpoint under %s/checkpoints; starting from scratch",
                          self.args.output_dir)
             return None
+        check_resume_layout(path, batch_layout(self.args, get_world_size()))
         state = load_checkpoint(self.engines, path)
         for name, module in self.extra.items():
             _load_local_params(module, os.path.join(path, f"{name}_rank{get_rank()}.safetensors"))
@@ -267,8 +271,44 @@ class LoopCheckpoints:
             for name, module in self.extra.items():
                 _save_local_params(module, os.path.join(folder, f"{name}_rank{get_rank()}.safetensors"))
 
-        save_checkpoint(self.engines, self.args.output_dir, step, state, keep=self.args.save_total_limit,
-                             write_extra=write_extra)
+        layout = batch_layout(self.args, get_world_size())
+        save_checkpoint(self.engines, self.args.output_dir, step, {**state, "layout": layout},
+                        keep=self.args.save_total_limit, write_extra=write_extra)
+
+
+#: The flags that decide which samples each rank sees at each step (with the world size).
+LAYOUT_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_generation_batch_size",
+                "generation_batches", "per_device_training_batch_size")
+
+
+def batch_layout(args, world_size: int) -> dict:
+    """The run's batch layout: ``world_size`` and those :data:`LAYOUT_FLAGS` the step has."""
+    return {"world_size": world_size, **{k: getattr(args, k) for k in LAYOUT_FLAGS if hasattr(args, k)}}
+
+
+def _describe_layout(layout: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in layout.items())
+
+
+def check_resume_layout(path, layout: dict) -> None:
+    """Refuse to resume from checkpoint ``path`` with another batch layout than the one it recorded.
+
+    The data order is a function of the layout (each rank's ``DistributedSampler`` share, the
+    batches per optimizer step), so a resume with another layout would neither continue at the
+    next unseen sample nor skip the right ones (it silently retrained seen samples). A checkpoint
+    without a recorded layout (written before layouts were recorded) is accepted with a warning.
+
+    Raises:
+        UsageError: naming both layouts and the checkpoint.
+    """
+    saved = json.loads((Path(path) / COMPLETE).read_text()).get("layout")
+    if saved is None:
+        log.warning("checkpoint %s records no batch layout; resuming as if it were %s", path, _describe_layout(layout))
+        return
+    if saved != layout:
+        raise UsageError(f"cannot resume from {path}: it was written with {_describe_layout(saved)}; this run has "
+                         f"{_describe_layout(layout)}. The data order depends on this layout: resume with the "
+                         "checkpoint's ranks and batch flags, or start a new --output_dir")
 
 
 def batches_from(loader, step: int, steps_per_epoch: int, batches_per_step: int):

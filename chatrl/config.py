@@ -149,7 +149,7 @@ class HybridEngineConfig:
 class SamplingConfig:
     """How answers are sampled."""
 
-    temperature: float = setting(1.0, "sampling temperature")
+    temperature: float = setting(1.0, "sampling temperature (0: greedy decoding)")
     top_k: int = setting(0, "sample among the k most likely tokens (0: off)", unit="tokens")
     top_p: float = setting(1.0, "nucleus sampling mass (1: off)", unit="probability")
 

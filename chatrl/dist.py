@@ -10,6 +10,7 @@ safetensors, written atomically).
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import logging
 import math
@@ -431,19 +432,30 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _merged_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor]):
-    """Rebuild ``module``'s HF model from ``state`` on CPU, with LoRA adapters merged by peft."""
+    """Rebuild ``module``'s HF model from ``state`` on CPU, with LoRA adapters merged by peft.
+
+    The result has the input model's architecture: tied input/output embeddings stay tied (one
+    shared matrix); ``module``'s own config and generation config are copied, never changed.
+    """
     hf = module
     peft_config = None
     if hasattr(module, "peft_config"):
         peft_config = module.peft_config["default"]
         hf = module.get_base_model()
+    config = copy.deepcopy(hf.config)  # the export must not change the live model's config
     with torch.device("meta"):
-        empty = type(hf)._from_config(hf.config, dtype=next(iter(state.values())).dtype)
+        empty = type(hf)._from_config(config, dtype=next(iter(state.values())).dtype)
+    if getattr(hf, "generation_config", None) is not None:  # the stop ids set by models.fit_embeddings
+        empty.generation_config = copy.deepcopy(hf.generation_config)
     if peft_config is not None:
         from peft import get_peft_model
 
         empty = get_peft_model(empty, peft_config)
     empty.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        # assign=True put separate tensors in the tied slots; tie them again before peft's merge,
+        # which otherwise sees two matrices and unties the export (tie_word_embeddings: false)
+        (empty.get_base_model() if peft_config is not None else empty).tie_weights()
     if peft_config is not None:
         empty = empty.merge_and_unload()
     missing = [n for n, p in empty.named_parameters() if p.is_meta]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chatrl.errors import UsageError
+
 log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<pad>"
@@ -83,7 +85,9 @@ def fit_embeddings(model, tokenizer) -> None:
     """Resize ``model``'s embeddings to cover ``tokenizer`` (multiple of 8) and record its special ids.
 
     Only grows the matrix: a model whose vocabulary already covers the tokenizer keeps its size
-    (OPT's checkpoints carry spare rows). ``config.pad_token_id`` is set to the tokenizer's pad id.
+    (OPT's checkpoints carry spare rows). ``config.pad_token_id`` is set to the tokenizer's pad id,
+    and the generation config's EOS ids to :func:`stop_token_ids` (so plain ``generate`` on the model,
+    and on its export, stops at the chat template's end-of-turn token too).
     """
     need = len(tokenizer)
     have = model.get_input_embeddings().weight.shape[0]
@@ -93,6 +97,8 @@ def fit_embeddings(model, tokenizer) -> None:
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
+        stops = stop_token_ids(tokenizer)
+        gen.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
 def load_causal_lm(
@@ -262,3 +268,119 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     return out.logits
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The text of every special token of ``tokenizer`` (BOS, EOS, pad, a chat template's markers…)."""
+    texts = set(tokenizer.all_special_tokens)
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            texts.add(str(tok.content))
+    return sorted(t for t in texts if t)
+
+
+_EOT_PROBE = "\x00chatrl-end-of-turn-probe\x00"
+
+
+def end_of_turn_token_id(tokenizer) -> int:
+    """The token that ends an assistant turn: the chat template's, else the tokenizer's EOS.
+
+    With a chat template, the first special token the template writes after an assistant message
+    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ``</s>`` for Llama 2); the EOS when the
+    template writes none.
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token")
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.eos_token_id
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": _EOT_PROBE}], tokenize=False)
+    after = text.split(_EOT_PROBE, 1)[1] if _EOT_PROBE in text else ""
+    special = set(tokenizer.all_special_ids) | {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                                 if getattr(t, "special", False)}
+    for i in tokenizer(after, add_special_tokens=False)["input_ids"]:
+        if i in special and i != tokenizer.pad_token_id:
+            return int(i)
+    return tokenizer.eos_token_id
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids that end a generated answer: the end-of-turn token (:func:`end_of_turn_token_id`) first,
+    then the EOS when it differs. Generation, step 3's action mask and EOS metrics use all of them."""
+    eot = end_of_turn_token_id(tokenizer)
+    return [eot] if eot == tokenizer.eos_token_id else [eot, tokenizer.eos_token_id]
+
+
+def sampling_settings(temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> dict:
+    """``generate`` keyword arguments for the sampling flags: ``{"do_sample": False}`` for greedy
+    decoding (``greedy`` or ``--temperature 0``), else ``do_sample`` with the three settings.
+
+    Temperature 0 is the limit of sampling at falling temperature: the most likely token, i.e.
+    greedy decoding (HF ``generate`` refuses it and dividing the logits by 0 gives NaN).
+
+    Raises:
+        ValueError: naming ``--temperature`` (negative or not finite), ``--top_k`` (negative) or
+            ``--top_p`` (outside ``(0, 1]``), so that a step refuses at start-up.
+    """
+    import math
+
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0: greedy decoding), got {temperature}")
+    if top_k < 0:
+        raise UsageError(f"--top_k must be >= 0 (0: no top-k filter), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1] (1: no nucleus filter), got {top_p}")
+    if greedy or temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
+
+
+_WINDOW_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def context_window(config) -> int | None:
+    """Tokens a model can attend over: its config's ``max_position_embeddings`` (or GPT-2's
+    ``n_positions`` …); None when the config names no limit."""
+    for key in _WINDOW_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_window(path, budgets: dict[str, int], trust_remote_code: bool = False) -> int | None:
+    """Refuse sequence budgets beyond the model's context window, before anything is loaded.
+
+    Args:
+        path: the model folder or hub name (only its config is read), or a list of them (``None``
+            entries and repeats are skipped; the smallest window is returned).
+        budgets: flag text → tokens, e.g. ``{"--max_seq_len": 512}`` or
+            ``{"--max_prompt_seq_len + --max_answer_seq_len": 256 + 256}``.
+
+    Returns the window (None when the config names none; nothing is checked then).
+
+    Raises:
+        ValueError: naming the flag, its value, the model and its limit (positions past the window
+            would otherwise fail late as ``IndexError: index out of range in self``).
+        FileNotFoundError / OSError: as :func:`load_causal_lm` for a path without a config.
+    """
+    from transformers import AutoConfig
+
+    if not isinstance(path, str):
+        windows = [check_context_window(p, budgets, trust_remote_code) for p in dict.fromkeys(path) if p is not None]
+        return min((w for w in windows if w is not None), default=None)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error(path, "model", err) from err
+    window = context_window(config)
+    if window is None:
+        return None
+    for flag, tokens in budgets.items():
+        if tokens > window:
+            raise UsageError(f"{flag} {tokens} exceeds the context window of {path} ({window} positions, "
+                             f"its config's max_position_embeddings); lower {flag.split(' + ')[0]}")
+    return window

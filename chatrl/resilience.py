@@ -10,7 +10,8 @@
 * :func:`nonfinite_scores` is the ``--debug_nonfinite_steps`` testing hook of step 3 (NaN scores).
 * :func:`report_failure` turns an exception on a rank into one line naming the rank, the step and
   the optimizer step reached, before the exception ends the process with a non-zero code (the
-  launcher then stops the other ranks).
+  launcher then stops the other ranks); a :class:`chatrl.errors.UsageError` (bad input the message
+  fully names) is printed alone, without a traceback, and exits with code 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 import sys
 
 import torch
+
+from chatrl.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,9 @@ def report_failure():
     except BaseException as e:
         if isinstance(e, SystemExit):  # a deliberate exit (argparse's usage errors): its message is out already
             raise
+        if isinstance(e, UsageError):  # a message that says everything: alone, as argparse prints a bad flag
+            sys.stderr.write(f"chatrl: error: {e}\n")
+            raise SystemExit(2) from None
         rank = os.environ.get("RANK", "0")
         where = _PROGRESS["step"] or "chatrl"
         sys.stderr.write(f"\nchatrl: rank {rank} failed in {where} after optimizer step {_PROGRESS['optimizer_step']}: "

@@ -7,7 +7,7 @@ Typical use in a step::
 """
 
 from chatrl.data.collate import PairCollator, PromptCollator, SFTCollator
-from chatrl.data.formatting import encode_answer, encode_prompt, format_answer, format_prompt
+from chatrl.data.formatting import encode_answer, encode_example, encode_prompt, format_answer, format_prompt
 from chatrl.data.pipeline import PhaseData, build_phase_data
 from chatrl.data.report import SkipReport
 from chatrl.data.schema import Sample
@@ -23,6 +23,7 @@ __all__ = [
     "SkipReport",
     "build_phase_data",
     "encode_answer",
+    "encode_example",
     "encode_prompt",
     "format_answer",
     "format_prompt",

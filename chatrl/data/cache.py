@@ -1,7 +1,10 @@
 """The on-disk token cache: content-addressed keys and ``datasets`` folders.
 
 A cache entry lives in ``cache_dir/<key>/`` (``train/`` and ``eval/`` written by
-``datasets.Dataset.save_to_disk``, plus ``report.json``). The key is the sha256 of a canonical
+``datasets.Dataset.save_to_disk``, plus ``report.json``). An empty split is written as no folder
+(``datasets`` cannot read back an empty saved dataset) and read back as an empty dataset, and an
+entry is loaded once from its temporary folder before it is renamed into place, so an entry that
+cannot be read is never left behind. The key is the sha256 of a canonical
 JSON of every input that changes the content (data bytes, slices, tokenizer, formatting version,
 lengths, split, seed, phase, evaluation settings), so a stale entry is never read and the key is
 the same in every process (no Python ``hash``). Rank 0 builds while the other ranks wait at
@@ -24,7 +27,7 @@ from chatrl.data.report import SkipReport
 log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the building rules change.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 Columns = dict[str, list]
 
@@ -104,16 +107,16 @@ def load_or_build(phase: int, key: str, cache_dir: str,
         RuntimeError: on ranks other than 0, when rank 0 failed to write the entry (rank 0
             re-raises its own error).
     """
-    import datasets
-
     final = Path(cache_dir) / key
     if dist.is_main() and not (final / "report.json").is_file():
         try:
             train, evals, report = build()
             with dist.atomic_dir(final) as tmp, _quiet_datasets():
-                to_hf_dataset(phase, train).save_to_disk(str(tmp / "train"))
-                to_hf_dataset(phase, evals).save_to_disk(str(tmp / "eval"))
+                for name, columns in (("train", train), ("eval", evals)):
+                    if columns[PHASE_COLUMNS[phase][0]]:
+                        to_hf_dataset(phase, columns).save_to_disk(str(tmp / name))
                 (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+                _read_entry(phase, tmp)  # an entry that cannot be read back is not kept
             log.info("wrote data cache %s", final)
         except BaseException:
             dist.barrier()  # release the waiting ranks; they fail on the missing folder
@@ -121,7 +124,14 @@ def load_or_build(phase: int, key: str, cache_dir: str,
     dist.barrier()
     if not (final / "report.json").is_file():
         raise RuntimeError(f"data cache {final} was not written: rank 0 failed building it (see its log)")
-    report = SkipReport.from_dict(json.loads((final / "report.json").read_text()))
-    train = datasets.load_from_disk(str(final / "train"))
-    evals = datasets.load_from_disk(str(final / "eval"))
-    return train, evals, report
+    return _read_entry(phase, final)
+
+
+def _read_entry(phase: int, folder: Path):
+    """``(train, eval, report)`` of a cache entry folder; a split without a folder is empty."""
+    import datasets
+
+    report = SkipReport.from_dict(json.loads((folder / "report.json").read_text()))
+    splits = [datasets.load_from_disk(str(folder / name)) if (folder / name).is_dir()
+              else to_hf_dataset(phase, {k: [] for k in PHASE_COLUMNS[phase]}) for name in ("train", "eval")]
+    return splits[0], splits[1], report

@@ -1,6 +1,7 @@
 """Turning samples into the token examples of each phase, with chatrl's truncation rules.
 
-- Phase 1 (SFT): ``{"input_ids": prompt + answer + EOS, "prompt_len"}``.
+- Phase 1 (SFT): ``{"input_ids": prompt + answer + end-of-turn, "prompt_len"}`` (the ids of the
+  joined text, :func:`chatrl.data.formatting.encode_examples`).
 - Phase 2 (reward model): ``{"chosen_input_ids", "rejected_input_ids", "prompt_len"}``, both
   sides sharing one prompt.
 - Phase 3 (PPO): ``{"prompt_ids", "metadata"}``; ``metadata`` is the sample's reward metadata as
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from chatrl.data.formatting import encode_answers, encode_prompts
+from chatrl.data.formatting import encode_examples, encode_prompts
 from chatrl.data.schema import Sample, is_identical_pair
 
 # Column layout of each phase (all token ids are int32 on disk, int64 tensors in memory).
@@ -82,10 +83,9 @@ def tokenize_samples(phase: int, samples: Sequence[Sample], tokenizer, max_seq_l
     if phase not in PHASE_COLUMNS:
         raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
     bos = tokenizer.bos_token_id
-    prompts = encode_prompts(tokenizer, [s.messages for s in samples])
     out: list[tuple[dict | str, bool]] = []
     if phase == 3:
-        for s, p in zip(samples, prompts, strict=True):
+        for s, p in zip(samples, encode_prompts(tokenizer, [s.messages for s in samples]), strict=True):
             cut = left_cut(p, max_prompt_len, bos)
             if cut is None:
                 out.append(("too_long", False))
@@ -93,15 +93,17 @@ def tokenize_samples(phase: int, samples: Sequence[Sample], tokenizer, max_seq_l
                 meta = json.dumps(s.metadata or {}, sort_keys=True, ensure_ascii=False)
                 out.append(({"prompt_ids": cut, "metadata": meta}, len(cut) < len(p)))
         return out
+    # Prompt + answer tokenized as one text (formatting.encode_examples): the ids at the boundary
+    # are those of the joined text, and no data text becomes a special token.
+    messages = [s.messages for s in samples]
+    chosen = encode_examples(tokenizer, messages, [s.chosen or "" for s in samples])
     if phase == 1:
-        answers = encode_answers(tokenizer, [s.chosen or "" for s in samples])
-        for s, p, a in zip(samples, prompts, answers, strict=True):
+        for s, (p, a) in zip(samples, chosen, strict=True):
             ex = "missing_field" if s.chosen is None else sft_example(p, a, max_seq_len, bos)
             out.append((ex, isinstance(ex, dict) and ex["prompt_len"] < len(p)))
         return out
-    chosen = encode_answers(tokenizer, [s.chosen or "" for s in samples])
-    rejected = encode_answers(tokenizer, [s.rejected or "" for s in samples])
-    for s, p, c, r in zip(samples, prompts, chosen, rejected, strict=True):
+    rejected = encode_examples(tokenizer, messages, [s.rejected or "" for s in samples])
+    for s, (p, c), (_, r) in zip(samples, chosen, rejected, strict=True):
         if s.chosen is None or s.rejected is None:
             ex = "missing_field"
         elif is_identical_pair(s):

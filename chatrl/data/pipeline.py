@@ -188,4 +188,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
         train, evals, report = load_or_build(phase, key, cache_dir, build)
     if dist.is_main():
         log.info("phase %d data: %d train, %d eval. %s", phase, len(train), len(evals), report.summary())
+        if len(evals) == 0 and phase != 3:
+            log.warning("phase %d: the eval split is empty (no held-out or --eval_data_path row is usable); "
+                        "training proceeds without evaluation", phase)
     return PhaseData(TokenizedDataset(train), TokenizedDataset(evals), report)

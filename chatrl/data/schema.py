@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from chatrl.errors import UsageError
+
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
 
@@ -360,7 +362,7 @@ def detect_schema(rows: Iterable, where: str) -> tuple[str, str]:
         return "hh", KIND_PAIRS
     if keys - set(PROMPT_EXTRA_KEYS) in ({"prompt"}, {"text"}):
         return "prompts", KIND_PROMPTS
-    raise ValueError(f"{where}: unknown data schema; saw keys {sorted(keys)} (known: hh-rlhf "
+    raise UsageError(f"{where}: unknown data schema; saw keys {sorted(keys)} (known: hh-rlhf "
                      "{chosen, rejected}; {prompt, chosen, rejected}; alpaca {instruction, input, output}; "
                      "sharegpt {conversations}; prompts {prompt} | {text} | a JSON string, with optional reference "
                      "and metadata; oasst trees)")
@@ -369,7 +371,7 @@ def detect_schema(rows: Iterable, where: str) -> tuple[str, str]:
 def schema_kind(schema: str, rows: Iterable) -> str:
     """The kind of a forced ``schema``; for ``pairs``/``sharegpt`` it depends on the keys present."""
     if schema not in SCHEMAS:
-        raise ValueError(f"unknown schema {schema!r}; choose from {SCHEMAS}")
+        raise UsageError(f"unknown schema {schema!r}; choose from {SCHEMAS}")
     if schema in ("hh", "oasst"):
         return KIND_PAIRS
     if schema == "alpaca":
@@ -394,4 +396,4 @@ def adapt_row(row, schema: str, kind: str) -> list[Sample]:
         return adapt_prompt(row)
     if schema == "oasst":
         return adapt_oasst(row)
-    raise ValueError(f"unknown schema {schema!r}; choose from {SCHEMAS}")
+    raise UsageError(f"unknown schema {schema!r}; choose from {SCHEMAS}")

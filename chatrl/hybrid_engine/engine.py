@@ -21,6 +21,7 @@ from chatrl.dist import local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
+from chatrl.models import sampling_settings
 
 log = logging.getLogger(__name__)
 
@@ -267,10 +268,11 @@ class HybridEngine:
                 pad_token_id = eos[0] if eos else 0
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0,  # greedy: the warpers are not applied
+                    **sampling_settings(temperature, top_k or 0, top_p, greedy=not do_sample)}
         return GenerationSettings(
-            max_new_tokens=int(max_new_tokens), do_sample=bool(do_sample), temperature=float(temperature),
-            top_k=int(top_k or 0), top_p=float(top_p), eos_token_ids=eos, pad_token_id=int(pad_token_id),
-            min_new_tokens=int(min_new_tokens or 0))
+            max_new_tokens=int(max_new_tokens), eos_token_ids=eos, pad_token_id=int(pad_token_id),
+            min_new_tokens=int(min_new_tokens or 0), **sampling)
 
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -282,7 +284,8 @@ class HybridEngine:
             input_ids: ``(B, P)`` token ids, left-padded. attention_mask: ``(B, P)``, 1 on real tokens.
             max_new_tokens: tokens to generate (equal on every rank of a tensor-parallel group).
             do_sample, temperature, top_k, top_p, min_new_tokens: as in HF ``generate``
-                (``top_k=0``/``top_p=1`` disable the filters).
+                (``top_k=0``/``top_p=1`` disable the filters); ``temperature=0`` is greedy decoding
+                (:func:`chatrl.models.sampling_settings`).
             eos_token_id: an id or a list of ids ending an answer; ``None`` takes the model's.
             pad_token_id: filler after EOS; ``None`` takes the model's.
             generator: RNG for sampling on the engine path (the global RNG when ``None``).
@@ -294,7 +297,7 @@ class HybridEngine:
             ``(sequences, logits)`` with ``logits`` ``(B, steps, vocab)`` fp32.
 
         Raises:
-            ValueError: bad ``max_new_tokens`` or shapes.
+            ValueError: bad ``max_new_tokens``, sampling settings or shapes.
         """
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "

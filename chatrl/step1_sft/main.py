@@ -53,7 +53,8 @@ def build_parser():
 
 @torch.no_grad()
 def evaluate(engine, dataset, collate, args, info) -> dict:
-    """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks."""
+    """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks
+    (NaN, with ``eval/tokens`` 0, when the eval split is empty)."""
     from chatrl.dist import all_reduce_sum, eval_batches
     from chatrl.models import causal_lm_logits
     from chatrl.step1_sft.loss import IGNORE_INDEX, token_nll
@@ -71,21 +72,24 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
         total += torch.tensor([nll.item(), n.item()], dtype=torch.float64)
     engine.train()
     nll_sum, n_tokens = all_reduce_sum(total).tolist()
-    loss = nll_sum / max(n_tokens, 1)
+    loss = nll_sum / n_tokens if n_tokens else math.nan
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/tokens": n_tokens}
 
 
 @torch.no_grad()
 def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, zero_stage: int, info) -> float:
-    """Share of greedy answers to the first ``n_samples`` eval prompts that contain EOS.
+    """Share of greedy answers to the first ``n_samples`` eval prompts that end their turn (EOS or
+    the chat template's end-of-turn token, :func:`chatrl.models.stop_token_ids`).
 
     Prompts are left-padded; generation is synced across ranks under ZeRO-3.
     """
     from chatrl.dist import all_reduce_sum
-    from chatrl.models import base_model
+    from chatrl.models import base_model, stop_token_ids
 
     engine.eval()
     rows = [dataset[i] for i in range(min(n_samples, len(dataset)))]
+    if not rows:
+        return math.nan
     mine = rows[info.rank::info.world_size]
     per_rank = math.ceil(len(rows) / info.world_size)
     prompts = [r["input_ids"][: r["prompt_len"]] for r in mine] + [rows[0]["input_ids"][:1]] * (per_rank - len(mine))
@@ -97,10 +101,10 @@ def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, ze
         mask[i, width - len(p):] = 1
     out = base_model(engine.module).generate(
         input_ids=ids.to(info.device), attention_mask=mask.to(info.device), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        do_sample=False, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
         synced_gpus=zero_stage == 3 and info.world_size > 1)
     answers = out[:, width:]
-    ended = (answers == tokenizer.eos_token_id).any(dim=1)[: len(mine)]
+    ended = torch.isin(answers, torch.tensor(stop_token_ids(tokenizer), device=answers.device)).any(dim=1)[: len(mine)]
     engine.train()
     counts = all_reduce_sum(torch.tensor([ended.sum().item(), len(mine)], dtype=torch.float64))
     return counts[0].item() / max(counts[1].item(), 1)
@@ -123,6 +127,7 @@ def run(argv: list[str] | None = None) -> dict:
         LoraSettings,
         apply_lora,
         causal_lm_logits,
+        check_context_window,
         enable_gradient_checkpointing,
         load_causal_lm,
         load_tokenizer,
@@ -131,6 +136,7 @@ def run(argv: list[str] | None = None) -> dict:
     from chatrl.resilience import set_progress
     from chatrl.step1_sft.loss import token_nll
 
+    check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
     set_progress("step 1 (SFT)")
     info = dist.init_distributed()
     setup_logging(info.rank)

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl.data import PairCollator, build_phase_data
     from chatrl.models import (
         LoraSettings,
+        check_context_window,
         enable_gradient_checkpointing,
         load_tokenizer,
         optimizer_param_groups,
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     from chatrl.resilience import set_progress
     from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
 
+    check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
     set_progress("step 2 (reward model)")
     info = dist.init_distributed()
     setup_logging(info.rank)

@@ -12,12 +12,15 @@ optionally ``.gz``, optionally with a row slice ``file.jsonl[0:100]``)::
 
     python -m chatrl.step2_reward.score --model out/step2 --pairs my_pairs.jsonl
 
-Output: one JSON object per pair on stdout (``index``, ``chosen``, ``rejected``, ``margin``;
-``rejected`` and ``margin`` are ``null`` for a row without a rejected answer), then a summary
-object (``pairs``, ``accuracy``, ``mean_chosen``, ``mean_rejected``, ``mean_margin``, ``skipped``).
+Output: one JSON object per pair on stdout (``index``: the row's position in the file, or in its
+slice; ``chosen``, ``rejected``, ``margin``; ``rejected`` and ``margin`` are ``null`` for a row
+without a rejected answer), then a summary object (``pairs``, ``accuracy``, ``mean_chosen``,
+``mean_rejected``, ``mean_margin``, ``skipped``: rows not scored, ``skip_reasons``: their count per
+reason, as in the data layer's reports: ``empty_field``, ``malformed_json``, ``too_long``, …).
+A usage error (an unknown schema, a length beyond the model's window) prints its message alone.
 
 Texts are formatted exactly as in training (:func:`chatrl.data.formatting.format_prompt`: the
-tokenizer's chat template, else the ``Human: … Assistant:`` convention), answers end with one EOS,
+tokenizer's chat template, else the ``Human: … Assistant:`` convention), answers end with one end-of-turn token,
 and an over-long prompt loses its oldest tokens. A prompt that is a ``"\\n\\nHuman: …
 \\n\\nAssistant:"`` transcript is split into its turns; any other prompt is one user message.
 """
@@ -74,17 +77,45 @@ def encode_rows(tokenizer, samples, max_seq_len: int) -> list[tuple[list[int], l
     """Token ids per sample: ``(prompt + chosen, prompt + rejected or None)``, or ``None`` when an
     answer alone does not fit ``max_seq_len``. Both sides share one left-cut prompt, as in training."""
     from chatrl.data.examples import left_cut
-    from chatrl.data.formatting import encode_answers, encode_prompts
+    from chatrl.data.formatting import encode_examples
 
-    prompts = encode_prompts(tokenizer, [s.messages for s in samples])
-    chosen = encode_answers(tokenizer, [s.chosen for s in samples])
-    rejected = encode_answers(tokenizer, [s.rejected or "" for s in samples])
+    messages = [s.messages for s in samples]
+    chosen = encode_examples(tokenizer, messages, [s.chosen for s in samples])
+    rejected = [a for _, a in encode_examples(tokenizer, messages, [s.rejected or "" for s in samples])]
     out = []
-    for s, p, c, r in zip(samples, prompts, chosen, rejected, strict=True):
+    for s, (p, c), r in zip(samples, chosen, rejected, strict=True):
         r = r if s.rejected is not None else None
         cut = left_cut(p, max_seq_len - max(len(c), len(r or [])), tokenizer.bos_token_id)
         out.append(None if cut is None else (cut + c, None if r is None else cut + r))
     return out
+
+
+def file_samples(entry: str, schema: str | None, skips: dict[str, int]) -> tuple[list, list[int]]:
+    """The scorable samples of a data file and, for each, its row's position in the file (or slice).
+
+    Rows that cannot be scored are counted into ``skips`` by reason: the data layer's row skips
+    (``empty_field``, ``malformed_json``, …), ``missing_field`` for a row without an answer and
+    ``identical_pair`` for equal answers.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`chatrl.data.sources.read_source`
+            (:class:`chatrl.errors.UsageError` for an unknown schema).
+    """
+    from chatrl.data.schema import is_identical_pair
+    from chatrl.data.sources import read_source
+
+    src = read_source(entry, schema)
+    for reason in src.row_skips.values():
+        skips[reason] = skips.get(reason, 0) + 1
+    samples, rows = [], []
+    for s, row in zip(src.samples, src.sample_rows, strict=True):
+        reason = "missing_field" if s.chosen is None else "identical_pair" if is_identical_pair(s) else None
+        if reason:
+            skips[reason] = skips.get(reason, 0) + 1
+        else:
+            samples.append(s)
+            rows.append(row)
+    return samples, rows
 
 
 @torch.no_grad()
@@ -123,28 +154,38 @@ def main(argv: list[str] | None = None, out=None) -> dict:
     import transformers
 
     from chatrl.data.schema import Sample
-    from chatrl.data.sources import load_samples
-    from chatrl.models import load_tokenizer
+    from chatrl.errors import UsageError
+    from chatrl.models import check_context_window, load_tokenizer
     from chatrl.step2_reward.model import load_reward_model
 
     transformers.logging.set_verbosity_error()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        check_context_window(args.model, {"--max_seq_len": args.max_seq_len})
+    except ValueError as e:
+        parser.error(str(e))
     tokenizer = load_tokenizer(args.model)
     model = load_reward_model(args.model, tokenizer, dtype=args.dtype, require_head=True).to(device).eval()
+    skips: dict[str, int] = {}
     if args.pairs:
-        samples = [s for s in load_samples(args.pairs, args.schema) if s.chosen is not None]
+        try:
+            samples, rows_of = file_samples(args.pairs, args.schema, skips)
+        except UsageError as e:
+            parser.error(str(e))
     else:
-        samples = [Sample(prompt_messages(args.prompt), args.chosen, args.rejected)]
+        samples, rows_of = [Sample(prompt_messages(args.prompt), args.chosen, args.rejected)], [0]
 
     encoded = encode_rows(tokenizer, samples, args.max_seq_len)
     kept = [i for i, e in enumerate(encoded) if e is not None]
+    if len(kept) < len(encoded):
+        skips["too_long"] = skips.get("too_long", 0) + len(encoded) - len(kept)
     seqs = [encoded[i][0] for i in kept] + [encoded[i][1] for i in kept if encoded[i][1] is not None]
     scores = iter(score_sequences(model, seqs, tokenizer.pad_token_id, args.batch_size, device))
     chosen = [next(scores) for _ in kept]
     rows = []
     for i, c in zip(kept, chosen, strict=True):
         r = next(scores) if encoded[i][1] is not None else None
-        rows.append({"index": i, "chosen": c, "rejected": r, "margin": None if r is None else c - r})
+        rows.append({"index": rows_of[i], "chosen": c, "rejected": r, "margin": None if r is None else c - r})
         print(json.dumps(rows[-1]), file=out)
     pairs = [r for r in rows if r["rejected"] is not None]
 
@@ -154,7 +195,8 @@ def main(argv: list[str] | None = None, out=None) -> dict:
     summary = {"pairs": len(pairs), "accuracy": mean([float(r["margin"] > 0) for r in pairs]),
                "mean_chosen": mean([r["chosen"] for r in rows]),
                "mean_rejected": mean([r["rejected"] for r in pairs]),
-               "mean_margin": mean([r["margin"] for r in pairs]), "skipped": len(encoded) - len(kept)}
+               "mean_margin": mean([r["margin"] for r in pairs]), "skipped": sum(skips.values()),
+               "skip_reasons": dict(sorted(skips.items()))}
     print(json.dumps(summary), file=out)
     return summary
 

@@ -107,3 +107,19 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
     reward_engine = dist.initialize(reward, dist.deepspeed_config(
         batch, reward_stage, args.offload_reward_model and reward_stage == 3, args.dtype, inference=True))
     return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, actor_steps, critic_steps)
+
+
+def seed_rollouts(seed: int, rank: int) -> int:
+    """Seed this rank's sampling RNG (torch, every device) from ``--seed`` and the rank; returns the seed.
+
+    Called once the models are built (their initialisation stays identical on every rank). Ranks
+    given the same prompt then draw different answers, so the rollouts of a step are independent;
+    the seed is a pure function of ``(seed, rank)`` (numpy's ``SeedSequence``), so a run is
+    reproducible, and a resumed run continues from the per-rank RNG state its checkpoint saved.
+    """
+    import numpy as np
+    import torch
+
+    rank_seed = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+    torch.manual_seed(rank_seed)
+    return rank_seed

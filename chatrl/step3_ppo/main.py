@@ -59,6 +59,7 @@ def make_generate(actor_engine, args, tokenizer):
     :meth:`HybridEngine.inference` so that training always runs in the training layout (and
     ``--release_inference_cache`` frees the inference copy after every rollout)."""
     from chatrl.hybrid_engine import HybridEngine
+    from chatrl.models import sampling_settings, stop_token_ids
 
     hybrid = HybridEngine(actor_engine, enable=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
                           tp_gather_partition_size=args.tp_gather_partition_size,
@@ -66,9 +67,9 @@ def make_generate(actor_engine, args, tokenizer):
 
     def generate(ids, mask):
         with hybrid.inference():
-            return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len, do_sample=True,
-                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            return hybrid.generate(ids, mask, max_new_tokens=args.max_answer_seq_len,
+                                   **sampling_settings(args.temperature, args.top_k, args.top_p),
+                                   eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
 
     return hybrid, generate
 
@@ -126,12 +127,16 @@ def build(args) -> Step3Run:
     from chatrl import dist
     from chatrl.checkpoint import Cycle, LoopCheckpoints, check_output_dir
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
-    from chatrl.models import load_tokenizer
+    from chatrl.models import check_context_window, load_tokenizer, sampling_settings, stop_token_ids
     from chatrl.resilience import set_progress
     from chatrl.step3_ppo import core
-    from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible
+    from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible, seed_rollouts
     from chatrl.step3_ppo.trainer import PPOTrainer
 
+    sampling_settings(args.temperature, args.top_k, args.top_p)  # bad sampling flags fail here, not after loading
+    check_context_window([args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path],
+                         {"--max_prompt_seq_len + --max_answer_seq_len": args.max_prompt_seq_len + args.max_answer_seq_len},
+                         args.trust_remote_code)
     set_progress("step 3 (PPO)")
     info = dist.init_distributed()
     setup_logging(info.rank)
@@ -161,12 +166,13 @@ def build(args) -> Step3Run:
         ptx_iter = Cycle(ptx_loader, info.device)
 
     engines = build_engines(args, tokenizer, info, plan.actor_steps, plan.critic_steps)
+    seed_rollouts(args.seed, info.rank)  # per-rank sampling: ranks given the same prompt answer differently
     hybrid, generate = make_generate(engines.actor, args, tokenizer)
     kl_ctl = (core.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon)
               if args.kl_ctl == "adaptive" else core.FixedKLController(args.init_kl_coef))
     trainer = PPOTrainer(engines.actor, engines.critic, engines.reference,
                          reward_model_scores(engines.reward, args.per_device_training_batch_size), generate, kl_ctl,
-                         config.from_args(config.PPOConfig, args), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                         config.from_args(config.PPOConfig, args), stop_token_ids(tokenizer), tokenizer.pad_token_id,
                          ema=engines.ema)
     tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
                       progress=not args.disable_progress_bar)
@@ -229,7 +235,7 @@ def train(run: Step3Run, score_fn=None) -> dict:
                 learned = trainer.learn(exp, ptx_iter)
                 times["time/train"] = time.time() - t1
                 times["memory/rss_train_mb"] = dist.resident_mb()
-                for k, v in {**summarize(exp, kl_ctl.value, tokenizer.eos_token_id), **learned, **times,
+                for k, v in {**summarize(exp, kl_ctl.value, trainer.eos), **learned, **times,
                              **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
                     stats[k] = stats.get(k, 0.0) + float(v) / args.generation_batches
             step += 1

@@ -85,7 +85,8 @@ class PPOTrainer:
         generate: ``generate(input_ids, attention_mask) -> sequences (B, P + A)`` (the hybrid engine).
         kl_controller: :class:`core.FixedKLController` or :class:`core.AdaptiveKLController`.
         settings: the PPO block of the configuration (``config.from_args(PPOConfig, args)``).
-        eos_token_id, pad_token_id: the actor tokenizer's ids.
+        eos_token_id: the id, or ids, that end an answer (:func:`chatrl.models.stop_token_ids`: the
+            chat template's end-of-turn token and the EOS). pad_token_id: the actor tokenizer's pad.
         ema: optional EMA copy of the actor, updated after every actor step (ZeRO-3 partitions are
             averaged in place, no gather).
         on_actor_step: called after every actor optimizer step (the hybrid engine marks its
@@ -93,7 +94,7 @@ class PPOTrainer:
     """
 
     def __init__(self, actor, critic, reference, score_fn: ScoreFn, generate, kl_controller, settings: PPOConfig,
-                 eos_token_id: int, pad_token_id: int, ema=None, on_actor_step: Callable[[], None] | None = None):
+                 eos_token_id: int | list[int], pad_token_id: int, ema=None, on_actor_step: Callable[[], None] | None = None):
         self.actor, self.critic, self.reference = actor, critic, reference
         self.score_fn, self.generate = score_fn, generate
         self.kl_ctl, self.s = kl_controller, settings
@@ -138,7 +139,9 @@ class PPOTrainer:
         """The reward of each rollout ``(B,)``: ``score_fn`` minus ``penalty_no_eos`` for answers without EOS."""
         scores = self.score_fn(sequences, attention_mask, prompt_len).float()
         if self.s.penalty_no_eos:
-            has_eos = (sequences[:, prompt_len:] == self.eos).any(dim=1)
+            answer = sequences[:, prompt_len:]
+            has_eos = (torch.isin(answer, torch.as_tensor(self.eos, device=answer.device))
+                       & (attention_mask[:, prompt_len:] > 0)).any(dim=1)
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
         return scores
 
@@ -219,7 +222,7 @@ def update_ema(ema: torch.nn.Module, model: torch.nn.Module, beta: float) -> Non
         dst.mul_(beta).add_(src.to(dst.dtype), alpha=1.0 - beta)
 
 
-def summarize(exp: Experience, kl_coef: float, eos_token_id: int) -> dict:
+def summarize(exp: Experience, kl_coef: float, eos_token_id: int | list[int]) -> dict:
     """Rollout statistics of one rank (means over rollouts or over action tokens), see ``docs/ppo.md``."""
     m = exp.action_mask
     answer = exp.sequences[:, exp.prompt_len:]
@@ -231,6 +234,7 @@ def summarize(exp: Experience, kl_coef: float, eos_token_id: int) -> dict:
         "entropy": core.masked_mean(exp.entropy, m),
         "explained_variance": core.explained_variance(exp.values, exp.returns, m),
         "answer_len": m.sum(dim=1).float().mean(),
-        "eos_rate": ((answer == eos_token_id) & (m > 0)).any(dim=1).float().mean(),
+        "eos_rate": (torch.isin(answer, torch.as_tensor(eos_token_id, device=answer.device)) & (m > 0))
+        .any(dim=1).float().mean(),
         "kl_coef": torch.tensor(float(kl_coef)),
     }

@@ -38,7 +38,12 @@ def main():
         reloaded = causal_lm_logits(saved, ids, mask)
     m = mask.bool()
     result = {"metrics": res["metrics"], "max_logit_diff": (live[m] - reloaded[m]).abs().max().item(),
-              "saved_has_lora_keys": any("lora" in k for k in saved.state_dict())}
+              "saved_has_lora_keys": any("lora" in k for k in saved.state_dict()),
+              "saved_tied": bool(saved.config.tie_word_embeddings)
+              and saved.get_output_embeddings().weight is saved.get_input_embeddings().weight,
+              "saved_params": sum(p.numel() for p in saved.parameters()),
+              "input_tied": bool(AutoModelForCausalLM.from_pretrained(args.model_name_or_path).config.tie_word_embeddings),
+              "live_tied": bool(getattr(engine.module, "get_base_model", lambda: engine.module)().config.tie_word_embeddings)}
     if args.lora_dim:
         base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).state_dict()
         moved_base, moved_lora = 0.0, 0.0

@@ -99,3 +99,22 @@ def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path):
     for sub in ("actor", "actor_ema", "critic"):
         a, b = load_file(s_dir / sub / "model.safetensors"), load_file(r_dir / sub / "model.safetensors")
         assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, sub
+
+
+@pytest.mark.slow
+def test_resume_with_another_world_size_is_refused_naming_both_layouts(tmp_path):
+    """issue 16 item 7: 2 ranks checkpointed at step 2, resumed on 1 rank, silently retrained seen samples."""
+    flags = ["-m", "chatrl.step1_sft", "--model_name_or_path", str(STORIES), "--data_path",
+             str(DATA / "hh-rlhf" / "helpful-base[0:64]"), "--data_split", "1,0,0", "--max_seq_len", "128",
+             "--per_device_train_batch_size", "2", "--max_steps", "4", "--eval_fraction", "0", "--save_interval", "2",
+             "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"),
+             "--disable_progress_bar"]
+    run_ranks([*flags, "--stop_after_steps", "2"], nprocs=2, timeout=400)
+    complete = json.loads((tmp_path / "out" / "checkpoints" / "step_2" / "complete.json").read_text())
+    assert complete["layout"] == {"world_size": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    proc = run_ranks([*flags, "--resume"], nprocs=1, timeout=400, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("it was written with world_size 2, per_device_train_batch_size 2, gradient_accumulation_steps 1; "
+            "this run has world_size 1, per_device_train_batch_size 2, gradient_accumulation_steps 1") in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "chatrl_run.json").exists()

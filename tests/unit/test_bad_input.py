@@ -287,3 +287,111 @@ def test_unusable_source_is_named_among_good_ones(gpt2, tmp_path):
     with pytest.raises(ValueError) as err:
         phase(1, [good, long], gpt2, max_seq_len=16)
     assert str(err.value) == f"{long!r}: no usable rows for phase 1 ({long}: 1 rows, 0 used, skipped 1 too_long)"
+
+
+# 19 ----------------------------------------------------------------------------------------------
+def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, capsys):
+    """issue 16 item 8: every length flag of every step, chat and the scoring tool, before any loading."""
+    import importlib.util
+
+    from chatrl.step1_sft.main import main as step1
+    from chatrl.step2_reward.main import main as step2
+    from chatrl.step2_reward.score import main as score
+    from chatrl.step3_ppo.main import main as step3
+    from chatrl.tiny import TinySpec, make_tiny_model
+    from tests.conftest import REPO
+
+    opt = tmp_path / "opt64"
+    make_tiny_model("opt", opt, TinySpec(hidden=32, layers=1, heads=2, ffn=64, max_positions=64))
+    common = ["--data_path", str(tmp_path / "never_read.jsonl"), "--output_dir", str(tmp_path / "out")]
+    (tmp_path / "never_read.jsonl").write_text("{}\n")
+    for main in (step1, step2):
+        with pytest.raises(ValueError) as err:
+            main(["--model_name_or_path", str(opt), "--max_seq_len", "128", *common])
+        assert str(err.value) == (f"--max_seq_len 128 exceeds the context window of {opt} (64 positions, "
+                                  "its config's max_position_embeddings); lower --max_seq_len")
+    with pytest.raises(ValueError) as err:
+        step3(["--actor_model_name_or_path", str(STORIES), "--critic_model_name_or_path", str(opt),
+               "--max_prompt_seq_len", "32", "--max_answer_seq_len", "48", *common])
+    assert str(err.value).startswith(f"--max_prompt_seq_len + --max_answer_seq_len 80 exceeds the context window "
+                                     f"of {opt} (64 positions")
+    with pytest.raises(SystemExit):
+        score(["--model", str(opt), "--prompt", "Hi", "--chosen", "Yes", "--max_seq_len", "65"])
+    assert "--max_seq_len 65 exceeds the context window" in capsys.readouterr().err
+    spec = importlib.util.spec_from_file_location("_chatrl_chat_18", REPO / "chat.py")
+    chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat)
+    with pytest.raises(SystemExit):
+        chat.main(["--path", str(opt), "--max_new_tokens", "64"])
+    assert "--max_new_tokens + 1 prompt token 65 exceeds the context window" in capsys.readouterr().err
+
+
+# 20 ----------------------------------------------------------------------------------------------
+def test_empty_eval_split_is_cached_like_the_uncached_build_and_training_proceeds(stories_tok, tmp_path, caplog):
+    """issue 16 item 9: both held-out rows too long → an empty eval split; the cache used to keep an
+    entry that failed every rerun with IndexError."""
+    import logging
+
+    from tests.conftest import DATA
+    from tests.launch import run_ranks
+
+    entry = str(DATA / "hh-rlhf" / "helpful-base") + "[0:32]"
+    kw = dict(data_split="1,0,0", max_seq_len=128)
+    plain = build_phase_data(1, [entry], stories_tok, cache_dir=None, **kw)
+    assert (len(plain.train), len(plain.eval)) == (19, 0)
+    for _ in range(2):  # the build that writes the entry, then a rerun that reads it
+        with caplog.at_level(logging.WARNING, logger="chatrl.data.pipeline"):
+            cached = build_phase_data(1, [entry], stories_tok, cache_dir=str(tmp_path / "cache"), **kw)
+        assert (len(cached.train), len(cached.eval)) == (19, 0)
+        assert [x["input_ids"].tolist() for x in cached.train] == [x["input_ids"].tolist() for x in plain.train]
+        assert "the eval split is empty" in caplog.text and "training proceeds without evaluation" in caplog.text
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+    proc = run_ranks(["-m", "chatrl.step1_sft", "--model_name_or_path", str(STORIES), "--data_path", entry,
+                      "--data_split", "1,0,0", "--max_seq_len", "128", "--max_steps", "1",
+                      "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"),
+                      "--disable_progress_bar"], nprocs=1, timeout=300)
+    assert "training proceeds without evaluation" in proc.stdout + proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1]
+    assert all(r["eval/tokens"] == 0 for r in rows if "eval/tokens" in r)
+
+
+# 21 ----------------------------------------------------------------------------------------------
+def test_sampling_flags_temperature_0_is_greedy_and_bad_values_fail_before_loading(tmp_path):
+    """issue 16 item 4: step 3 used to fail after loading all four models."""
+    from chatrl.errors import UsageError
+    from chatrl.models import sampling_settings
+    from chatrl.step3_ppo.main import main as step3
+
+    assert sampling_settings(0.0, 50, 0.9) == {"do_sample": False}
+    missing = str(tmp_path / "no_such_model")  # never read: the flags are checked first
+    for flag, value, message in (("--temperature", "-1", "--temperature must be >= 0 (0: greedy decoding), got -1.0"),
+                                 ("--top_p", "0", "--top_p must be in (0, 1] (1: no nucleus filter), got 0.0"),
+                                 ("--top_k", "-2", "--top_k must be >= 0 (0: no top-k filter), got -2")):
+        with pytest.raises(UsageError) as err:
+            step3(["--actor_model_name_or_path", missing, "--critic_model_name_or_path", missing, "--data_path",
+                   str(tmp_path), "--output_dir", str(tmp_path / "out"), flag, value])
+        assert str(err.value) == message
+
+
+# 22 ----------------------------------------------------------------------------------------------
+def test_resume_layout_is_recorded_and_another_is_refused(tmp_path):
+    """issue 16 item 7: the check LoopCheckpoints.resume runs before loading anything (the 2-rank → 1-rank
+    run is tests/stages/test_resume.py::test_resume_with_another_world_size_is_refused_naming_both_layouts)."""
+    import json
+    from types import SimpleNamespace
+
+    from chatrl.checkpoint import batch_layout, check_resume_layout
+    from chatrl.errors import UsageError
+
+    args = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=1)
+    saved = batch_layout(args, 2)
+    assert saved == {"world_size": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    (tmp_path / "complete.json").write_text(json.dumps({"step": 2, "layout": saved}))
+    check_resume_layout(tmp_path, batch_layout(args, 2))
+    for world, accum in ((1, 1), (2, 2)):
+        args.gradient_accumulation_steps = accum
+        with pytest.raises(UsageError, match="it was written with world_size 2, per_device_train_batch_size 2"):
+            check_resume_layout(tmp_path, batch_layout(args, world))
+    (tmp_path / "complete.json").write_text(json.dumps({"step": 2}))  # an older checkpoint: accepted
+    check_resume_layout(tmp_path, batch_layout(args, 1))

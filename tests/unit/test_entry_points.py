@@ -125,3 +125,21 @@ def test_checkpoint_flags_are_checked_at_parse_time(tmp_path, module, capsys):
         with pytest.raises(SystemExit):
             parse(build(), [*base, *bad])
         assert says in capsys.readouterr().err
+
+
+def _chat_answer(monkeypatch, capsys, *flags) -> str:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n"))
+    chat.main(["--path", str(STORIES), "--max_new_tokens", "12", "--device", "cpu", *flags])
+    return capsys.readouterr().out.split("Assistant:", 1)[1]
+
+
+def test_chat_temperature_0_is_greedy_decoding(monkeypatch, capsys):
+    """issue 16 item 4: --temperature 0 crashed in transformers; it means greedy decoding."""
+    greedy = _chat_answer(monkeypatch, capsys, "--greedy")
+    assert _chat_answer(monkeypatch, capsys, "--temperature", "0", "--seed", "1") == greedy
+    assert _chat_answer(monkeypatch, capsys, "--temperature", "0", "--seed", "2") == greedy
+    with pytest.raises(SystemExit):
+        chat.main(["--path", str(STORIES), "--temperature", "-1"])
+    assert "--temperature must be >= 0" in capsys.readouterr().err

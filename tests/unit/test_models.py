@@ -101,3 +101,65 @@ def test_token_nll_hand_values():
     assert n.item() == 2 and s.item() == pytest.approx(expect, rel=1e-6)
     with pytest.raises(ValueError):
         token_nll(logits, labels[:, :2])
+
+
+@pytest.mark.parametrize("lora_dim", [0, 4])
+def test_export_keeps_tied_embeddings_and_live_config(tmp_path, lora_dim):
+    """issue 16 item 6: a LoRA export of stories260K (tied) has one shared matrix, like the input."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from chatrl.dist import save_hf_model
+    from chatrl.models import LoraSettings, apply_lora, base_model, load_causal_lm
+
+    tok = load_tokenizer(str(STORIES))
+    model = load_causal_lm(str(STORIES), tok)
+    n_input = sum(p.numel() for p in model.parameters())
+    model = apply_lora(model, LoraSettings(lora_dim))
+    save_hf_model(model, tok, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert saved.get_output_embeddings().weight is saved.get_input_embeddings().weight
+    assert sum(p.numel() for p in saved.parameters()) == n_input
+    assert base_model(model).config.tie_word_embeddings is True
+
+
+def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
+    """issue 16 item 3: the exported generation config lists <|im_end|> among its EOS ids."""
+    from transformers import GenerationConfig
+
+    from chatrl.dist import save_hf_model
+    from chatrl.models import load_causal_lm
+    from chatrl.tiny import TinySpec, make_tiny_model
+
+    make_tiny_model("qwen2", tmp_path / "q", TinySpec(hidden=32, layers=1, heads=2, ffn=64))
+    tok = load_tokenizer(str(tmp_path / "q"))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = load_causal_lm(str(tmp_path / "q"), tok)
+    assert model.generation_config.eos_token_id == [im_end, tok.eos_token_id]
+    save_hf_model(model, tok, tmp_path / "out")
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [im_end, tok.eos_token_id]
+
+
+def test_sampling_settings_temperature_0_is_greedy_and_bad_values_name_the_flag():
+    """issue 16 item 4: temperature 0 means greedy decoding everywhere, bad values fail at start-up."""
+    from chatrl.models import sampling_settings
+
+    assert sampling_settings(0.0, 50, 0.9) == {"do_sample": False}
+    assert sampling_settings(0.7, 0, 1.0, greedy=True) == {"do_sample": False}
+    assert sampling_settings(0.7, 5, 0.9) == {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
+    for kw, flag in [({"temperature": -0.5}, "--temperature"), ({"temperature": float("nan")}, "--temperature"),
+                     ({"temperature": 1.0, "top_k": -1}, "--top_k"), ({"temperature": 1.0, "top_p": 0.0}, "--top_p")]:
+        with pytest.raises(ValueError, match=flag):
+            sampling_settings(**kw)
+
+
+def test_decode_at_temperature_0_is_argmax():
+    """The hybrid engine's decoder with the settings of --temperature 0: argmax, no NaN."""
+    from chatrl.hybrid_engine.decode import GenerationSettings, pick_tokens, process_logits
+    from chatrl.models import sampling_settings
+
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    s = GenerationSettings(max_new_tokens=1, **{"temperature": 1.0, **sampling_settings(0.0)})
+    assert pick_tokens(process_logits(logits, s, 0), s).tolist() == [1, 0]

@@ -103,3 +103,36 @@ def test_score_cli_refuses_a_causal_lm_folder(tiny_opt):
 
     with pytest.raises(MissingRewardHeadError):
         main(["--model", str(tiny_opt), "--prompt", "hi", "--chosen", "hello"], out=io.StringIO())
+
+
+def test_score_cli_indexes_rows_by_file_position_and_counts_skips(reward_dir, tmp_path):
+    """issue 16 item 10: the second row is "index": 1 and the empty chosen row is counted as empty_field."""
+    from chatrl.step2_reward.score import main
+
+    f = tmp_path / "two.jsonl"
+    f.write_text(json.dumps({"prompt": "Give an example.", "chosen": "", "rejected": "No."}) + "\n"
+                 + json.dumps({"prompt": "Name a color.", "chosen": "Blue.", "rejected": "Dog."}) + "\n")
+    buf = io.StringIO()
+    summary = main(["--model", str(reward_dir[0]), "--pairs", str(f)], out=buf)
+    row, last = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert row["index"] == 1
+    assert summary == last and summary["pairs"] == 1
+    assert summary["skipped"] == 1 and summary["skip_reasons"] == {"empty_field": 1}
+
+
+def test_unknown_schema_prints_the_message_alone(reward_dir, tmp_path):
+    """issue 16 item 10: a usage error is one line, no traceback (scoring tool and step 2)."""
+    from tests.launch import run_ranks
+
+    f = tmp_path / "qa.jsonl"
+    f.write_text(json.dumps({"question": "Why?", "answer": "Because."}) + "\n")
+    message = f"{f}: unknown data schema; saw keys ['answer', 'question']"
+    score = run_ranks(["-m", "chatrl.step2_reward.score", "--model", str(reward_dir[0]), "--pairs", str(f)],
+                      nprocs=1, check=False, timeout=300)
+    step2 = run_ranks(["-m", "chatrl.step2_reward", "--model_name_or_path", str(reward_dir[0]), "--data_path", str(f),
+                       "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out")],
+                      nprocs=1, check=False, timeout=300)
+    for proc in (score, step2):
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert message in proc.stderr
+        assert "Traceback" not in proc.stderr

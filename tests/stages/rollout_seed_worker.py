@@ -1,0 +1,43 @@
+"""Run step 3's program over the launcher's ranks and record every rank's sampled answers.
+
+Usage (under torchrun): rollout_seed_worker.py RESULT_JSON -- <step-3 flags>. Rank 0 writes
+RESULT_JSON with ``answers[rank]``: the generated token ids of each rollout, in order.
+"""
+
+import json
+import sys
+
+import torch
+
+import chatrl.step3_ppo.main as step3
+from chatrl import dist
+
+
+def main():
+    out_path, rest = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
+    seen = []
+    make_generate = step3.make_generate
+
+    def recording(actor_engine, args, tokenizer):
+        hybrid, generate = make_generate(actor_engine, args, tokenizer)
+
+        def gen(ids, mask):
+            out = generate(ids, mask)
+            seen.append(out[:, ids.shape[1]:].cpu())
+            return out
+
+        return hybrid, gen
+
+    step3.make_generate = recording
+    step3.main(rest)
+    mine = torch.cat(seen)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    torch.distributed.all_gather(parts, mine)
+    if dist.is_main():
+        with open(out_path, "w") as f:
+            json.dump({"answers": [p.tolist() for p in parts]}, f)
+
+
+if __name__ == "__main__":
+    main()
+    dist.shutdown()
