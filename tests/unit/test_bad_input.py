@@ -8,6 +8,7 @@ names the existing tests that cover the rest.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -320,6 +321,7 @@ def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, 
     assert "--max_seq_len 65 exceeds the context window" in capsys.readouterr().err
     spec = importlib.util.spec_from_file_location("_chatrl_chat_18", REPO / "chat.py")
     chat = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = chat  # chat.py declares a dataclass block, which needs its module registered
     spec.loader.exec_module(chat)
     with pytest.raises(SystemExit):
         chat.main(["--path", str(opt), "--max_new_tokens", "64"])
