@@ -101,3 +101,17 @@ def test_token_nll_hand_values():
     assert n.item() == 2 and s.item() == pytest.approx(expect, rel=1e-6)
     with pytest.raises(ValueError):
         token_nll(logits, labels[:, :2])
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_logits_to_keep_equals_the_last_positions_of_full_logits(tiny_models, family):
+    """The LM head on the last N positions only (step 3's answer window) gives the full pass's values."""
+    tok = load_tokenizer(str(tiny_models[family]))
+    model = load_causal_lm(str(tiny_models[family]), tok).eval()
+    torch.manual_seed(0)
+    ids, mask = _pad([torch.randint(0, 50000, (n,)).tolist() for n in (9, 5)], tok.pad_token_id, "left")
+    with torch.no_grad():
+        full = causal_lm_logits(model, ids, mask)
+        kept = causal_lm_logits(model, ids, mask, logits_to_keep=4)
+    assert kept.shape == (2, 4, full.shape[-1])
+    assert torch.allclose(kept, full[:, -4:], atol=1e-5, rtol=0)
