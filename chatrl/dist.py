@@ -80,6 +80,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        place_cpu_threads()
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 
 
@@ -102,6 +103,26 @@ def local_world_size() -> int:
         if os.environ.get(key):
             return int(os.environ[key])
     return get_world_size()
+
+
+def cpu_threads_per_rank() -> int:
+    """Intra-op CPU threads for one rank: this process's CPUs divided by the ranks on the node (>= 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // local_world_size())
+
+
+def place_cpu_threads() -> int:
+    """Give this rank :func:`cpu_threads_per_rank` intra-op threads, unless ``OMP_NUM_THREADS`` is set.
+
+    Without it every rank of a node starts one thread per CPU of the node: ``ranks × CPUs`` threads
+    on ``CPUs`` cores, and each small operator's parallel region waits for descheduled threads
+    (measured in ``docs/performance.md``: the step-3 critic forward 10× slower). torchrun sets
+    ``OMP_NUM_THREADS=1`` for the same reason; the DeepSpeed launcher sets nothing. Returns the
+    thread count in use.
+    """
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_threads_per_rank())
+    return torch.get_num_threads()
 
 
 def barrier() -> None:
