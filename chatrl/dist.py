@@ -258,12 +258,18 @@ def deepspeed_config(
 
 
 def make_optimizer(param_groups: list[dict], lr: float, offload: bool, betas=(0.9, 0.95)):
-    """AdamW over ``param_groups``: DeepSpeed's CPU Adam when offloading on GPUs, torch's elsewhere."""
+    """AdamW over ``param_groups``: DeepSpeed's CPU Adam when offloading on GPUs, torch's fused AdamW elsewhere.
+
+    Fused (one vectorised kernel per parameter, CUDA or CPU) rather than the for-loop default on
+    CPU: the same update to float32 rounding (``tests/unit/test_resilience.py``), about 10× faster
+    on CPU, which matters under ZeRO-0 where every rank steps the whole model. DeepSpeed's CPU
+    Adam would need a C++ build at first use (minutes of start-up) for no gain over it.
+    """
     if offload and torch.cuda.is_available():
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(param_groups, lr=lr, betas=betas)
-    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=torch.cuda.is_available())
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
 
 
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
