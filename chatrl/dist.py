@@ -142,6 +142,22 @@ def shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
+def exit_now(code: int = 0) -> None:
+    """End the process at once after a finished run: flush logging and stdio, then ``os._exit``.
+
+    Skips the interpreter's teardown (freeing every module and tensor of torch, DeepSpeed,
+    transformers one by one), measured at 10+ s per rank on a loaded machine
+    (``docs/performance.md``). Call only when all output is written and the process group shut
+    down (:func:`shutdown`); ``atexit`` handlers do not run.
+    """
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of ``t`` over ranks (a new tensor; ``t`` is left as it was)."""
     out = t.detach().clone()
@@ -272,6 +288,33 @@ def make_optimizer(param_groups: list[dict], lr: float, offload: bool, betas=(0.
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
 
 
+_DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+@contextlib.contextmanager
+def _without_deepspeed_muon(active: bool):
+    """Keep ``deepspeed.initialize`` from importing DeepSpeed's Muon optimizer (ZeRO 1-2) for the block.
+
+    DeepSpeed's ZeRO optimizer check tries ``import ...muon_optimizer`` and reads an ``ImportError``
+    as "Muon not installed"; that module compiles a function at import, which pulls in
+    ``torch._inductor``: seconds of start-up per rank (``docs/performance.md``) for an optimizer
+    chatrl never passes (:func:`make_optimizer` builds AdamW). A ``None`` entry in ``sys.modules``
+    makes that import raise ``ImportError``; it is removed afterwards. ZeRO-3's optimizer imports
+    the module unconditionally, so it is left alone there.
+    """
+    import sys
+
+    if not active or _DEEPSPEED_MUON in sys.modules:
+        yield
+        return
+    sys.modules[_DEEPSPEED_MUON] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get(_DEEPSPEED_MUON, 0) is None:
+            del sys.modules[_DEEPSPEED_MUON]
+
+
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """``deepspeed.initialize`` with chatrl's defaults; returns the engine.
 
@@ -282,7 +325,8 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+    with _without_deepspeed_muon(optimizer is not None and config["zero_optimization"]["stage"] in (1, 2)):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
     if optimizer is not None and not hasattr(engine.optimizer, "overflow"):
         from chatrl.resilience import skip_nonfinite_steps
 
