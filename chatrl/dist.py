@@ -80,6 +80,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        place_cpu_threads()
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 
 
@@ -104,6 +105,26 @@ def local_world_size() -> int:
     return get_world_size()
 
 
+def cpu_threads_per_rank() -> int:
+    """Intra-op CPU threads for one rank: this process's CPUs divided by the ranks on the node (>= 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // local_world_size())
+
+
+def place_cpu_threads() -> int:
+    """Give this rank :func:`cpu_threads_per_rank` intra-op threads, unless ``OMP_NUM_THREADS`` is set.
+
+    Without it every rank of a node starts one thread per CPU of the node: ``ranks × CPUs`` threads
+    on ``CPUs`` cores, and each small operator's parallel region waits for descheduled threads
+    (measured in ``docs/performance.md``: the step-3 critic forward 10× slower). torchrun sets
+    ``OMP_NUM_THREADS=1`` for the same reason; the DeepSpeed launcher sets nothing. Returns the
+    thread count in use.
+    """
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_threads_per_rank())
+    return torch.get_num_threads()
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -119,6 +140,22 @@ def shutdown() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def exit_now(code: int = 0) -> None:
+    """End the process at once after a finished run: flush logging and stdio, then ``os._exit``.
+
+    Skips the interpreter's teardown (freeing every module and tensor of torch, DeepSpeed,
+    transformers one by one), measured at 10+ s per rank on a loaded machine
+    (``docs/performance.md``). Call only when all output is written and the process group shut
+    down (:func:`shutdown`); ``atexit`` handlers do not run.
+    """
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -364,12 +401,45 @@ def deepspeed_config(
 
 
 def make_optimizer(param_groups: list[dict], lr: float, offload: bool, betas=(0.9, 0.95)):
-    """AdamW over ``param_groups``: DeepSpeed's CPU Adam when offloading on GPUs, torch's elsewhere."""
+    """AdamW over ``param_groups``: DeepSpeed's CPU Adam when offloading on GPUs, torch's fused AdamW elsewhere.
+
+    Fused (one vectorised kernel per parameter, CUDA or CPU) rather than the for-loop default on
+    CPU: the same update to float32 rounding (``tests/unit/test_resilience.py``), about 10× faster
+    on CPU, which matters under ZeRO-0 where every rank steps the whole model. DeepSpeed's CPU
+    Adam would need a C++ build at first use (minutes of start-up) for no gain over it.
+    """
     if offload and torch.cuda.is_available():
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(param_groups, lr=lr, betas=betas)
-    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=torch.cuda.is_available())
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
+
+
+_DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+@contextlib.contextmanager
+def _without_deepspeed_muon(active: bool):
+    """Keep ``deepspeed.initialize`` from importing DeepSpeed's Muon optimizer (ZeRO 1-2) for the block.
+
+    DeepSpeed's ZeRO optimizer check tries ``import ...muon_optimizer`` and reads an ``ImportError``
+    as "Muon not installed"; that module compiles a function at import, which pulls in
+    ``torch._inductor``: seconds of start-up per rank (``docs/performance.md``) for an optimizer
+    chatrl never passes (:func:`make_optimizer` builds AdamW). A ``None`` entry in ``sys.modules``
+    makes that import raise ``ImportError``; it is removed afterwards. ZeRO-3's optimizer imports
+    the module unconditionally, so it is left alone there.
+    """
+    import sys
+
+    if not active or _DEEPSPEED_MUON in sys.modules:
+        yield
+        return
+    sys.modules[_DEEPSPEED_MUON] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get(_DEEPSPEED_MUON, 0) is None:
+            del sys.modules[_DEEPSPEED_MUON]
 
 
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
@@ -382,7 +452,8 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+    with _without_deepspeed_muon(optimizer is not None and config["zero_optimization"]["stage"] in (1, 2)):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
     if optimizer is not None and not hasattr(engine.optimizer, "overflow"):
         from chatrl.resilience import skip_nonfinite_steps
 

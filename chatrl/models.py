@@ -263,11 +263,27 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0) * mask
 
 
-def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Logits ``(B, T, V)`` of ``model`` with position ids from the mask (padding-side invariant)."""
+def accepts_logits_to_keep(model) -> bool:
+    """Whether ``model``'s forward (under a DeepSpeed engine or peft wrapper) takes HF's ``logits_to_keep``."""
+    import inspect
+
+    hf = base_model(getattr(model, "module", model))
+    return "logits_to_keep" in inspect.signature(type(hf).forward).parameters
+
+
+def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits ``(B, T, V)`` of ``model`` with position ids from the mask (padding-side invariant).
+
+    ``logits_to_keep > 0`` returns only the last ``logits_to_keep`` positions, ``(B, logits_to_keep, V)``:
+    the LM head (for a small model with a large vocabulary the largest matmul of the forward and
+    backward passes) then runs on those rows only. Models whose forward lacks HF's
+    ``logits_to_keep`` compute all positions and are sliced (the same values).
+    """
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and accepts_logits_to_keep(model) else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    return out.logits
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kwargs)
+    return out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
 
 
 def special_token_texts(tokenizer) -> list[str]:

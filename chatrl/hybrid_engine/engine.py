@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from chatrl.dist import local_world_size
+from chatrl.dist import cpu_threads_per_rank, local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
@@ -158,7 +158,7 @@ class HybridEngine:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         local_world = local_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        threads = num_threads or max(1, len(cpus) // local_world)
+        threads = num_threads or cpu_threads_per_rank()
         if pin_threads is None:
             pin_threads = threads * local_world <= len(cpus)
         mine = cpus[local_rank * threads:(local_rank + 1) * threads] if pin_threads else None

@@ -63,10 +63,13 @@ class Experience:
 
 
 def answer_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Logits ``(B, A, V)`` whose column ``j`` predicts answer token ``j`` (``A = T - prompt_len``)."""
+    """Logits ``(B, A, V)`` whose column ``j`` predicts answer token ``j`` (``A = T - prompt_len``).
+
+    Only the ``A + 1`` last positions go through the LM head (the prompt's logits are never read).
+    """
     from chatrl.models import causal_lm_logits
 
-    return causal_lm_logits(model, sequences, attention_mask)[:, prompt_len - 1:-1]
+    return causal_lm_logits(model, sequences, attention_mask, logits_to_keep=sequences.shape[1] - prompt_len + 1)[:, :-1]
 
 
 def answer_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -121,10 +124,9 @@ class PPOTrainer:
         parts = {k: [] for k in ("logp", "ref_logp", "values", "entropy")}
         for i in range(0, seq.shape[0], self.mb):
             s, m = seq[i:i + self.mb], mask[i:i + self.mb]
-            logits = answer_logits(self.actor, s, m, P)
-            parts["logp"].append(core.logprobs_from_logits(logits, s[:, P:]))
-            parts["entropy"].append(core.entropy_from_logits(logits))
-            del logits
+            logp, entropy = core.logprobs_and_entropy(answer_logits(self.actor, s, m, P), s[:, P:])
+            parts["logp"].append(logp)
+            parts["entropy"].append(entropy)
             parts["ref_logp"].append(core.logprobs_from_logits(answer_logits(self.reference, s, m, P), s[:, P:]))
             parts["values"].append(answer_values(self.critic, s, m, P))
         out = {k: torch.cat(v) for k, v in parts.items()}

@@ -163,3 +163,15 @@ def test_decode_at_temperature_0_is_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
     s = GenerationSettings(max_new_tokens=1, **{"temperature": 1.0, **sampling_settings(0.0)})
     assert pick_tokens(process_logits(logits, s, 0), s).tolist() == [1, 0]
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_logits_to_keep_equals_the_last_positions_of_full_logits(tiny_models, family):
+    """The LM head on the last N positions only (step 3's answer window) gives the full pass's values."""
+    tok = load_tokenizer(str(tiny_models[family]))
+    model = load_causal_lm(str(tiny_models[family]), tok).eval()
+    torch.manual_seed(0)
+    ids, mask = _pad([torch.randint(0, 50000, (n,)).tolist() for n in (9, 5)], tok.pad_token_id, "left")
+    with torch.no_grad():
+        full = causal_lm_logits(model, ids, mask)
+        kept = causal_lm_logits(model, ids, mask, logits_to_keep=4)
+    assert kept.shape == (2, 4, full.shape[-1])
+    assert torch.allclose(kept, full[:, -4:], atol=1e-5, rtol=0)

@@ -489,3 +489,22 @@ def test_gae_a_masked_hole_ends_the_episode():
     tail, _ = core.gae(values[:, 3:], rewards[:, 3:], mask[:, 3:], gamma=1.0, lam=0.5)
     assert torch.equal(adv, torch.cat([head, torch.zeros(1, 1), tail], dim=1))
     assert ret[0, 2].item() == 0.0
+
+
+def test_logprobs_and_entropy_in_one_pass_equal_the_separate_functions():
+    """The experience pass's fused helper: log-probs bit for bit, entropies to float32 rounding
+    (and at least as close to a float64 reference), at a GPT-2-sized vocabulary."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 6, 50258) * 3
+    labels = torch.randint(0, 50258, (2, 6))
+    logp, entropy = core.logprobs_and_entropy(logits, labels)
+    assert torch.equal(logp, core.logprobs_from_logits(logits, labels))
+    ref = core.entropy_from_logits(logits.double()).float()
+    plain = core.entropy_from_logits(logits)
+    assert torch.allclose(entropy, plain, atol=2e-4)
+    assert (entropy - ref).abs().max() <= (plain - ref).abs().max() + 1e-5
+    flat_logp, flat_h = core.logprobs_and_entropy(torch.zeros(1, 2, 11), labels[:1, :2] % 11)
+    assert torch.allclose(flat_h, torch.full((1, 2), math.log(11)))
+    assert torch.allclose(flat_logp, torch.full((1, 2), -math.log(11)))
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        core.logprobs_and_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
