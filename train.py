@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from chatrl import multinode
 from chatrl.cli import RUN_MARKER
 from chatrl.dist import free_port, list_checkpoints
 from chatrl.tracking import METRICS_FILE, read_metrics
@@ -138,14 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostfile", default="/job/hostfile", help="DeepSpeed hostfile for --deployment-type multi_node")
     p.add_argument("--master-port", type=int, default=None,
                    help="launcher port (default: a free one on single-node runs, 29500 across nodes)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="multi_node without ssh: start only this node of the hostfile (run train.py on every "
+                        "node, each with its own --node-rank; docs/multi_node.md). Default: ssh/pdsh from this host")
+    p.add_argument("--master-addr", default=None,
+                   help="multi_node: address of the node running global rank 0 (default: the hostfile's first host)")
     p.add_argument("--overwrite", action="store_true", help="redo steps whose output already holds a finished run")
     for s in (1, 2, 3):
         p.add_argument(f"--step{s}-args", default="", help=f"extra flags for step {s}, as one quoted string")
     return p
 
 
-def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: int | None) -> tuple[list, dict]:
-    """The DeepSpeed launcher command and environment for a deployment."""
+def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: int | None,
+             node_rank: int | None = None, master_addr: str | None = None) -> tuple[list, dict]:
+    """The DeepSpeed launcher command and environment for a deployment (multi_node: see chatrl.multinode)."""
     cmd = [str(Path(sys.executable).with_name("deepspeed"))]
     if not Path(cmd[0]).exists():
         cmd = ["deepspeed"]
@@ -161,7 +168,7 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
         if not Path(hostfile).exists():
             raise SystemExit(f"--deployment-type multi_node needs a DeepSpeed hostfile; {hostfile} does not exist "
                              "(pass --hostfile PATH with one 'host slots=N' line per node)")
-        cmd += ["--hostfile", hostfile]
+        cmd += multinode.launcher_flags(hostfile, node_rank, master_addr)
     if master_port is None and deployment != "multi_node":
         master_port = free_port()  # two jobs on one machine must not collide on the launcher's 29500
     if master_port:
@@ -169,13 +176,16 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
     return cmd, env
 
 
-def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path) -> float:
+def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path,
+             nodes: tuple[dict[str, int], int | None] | None = None) -> float:
     """Run one step, streaming its output to the terminal and ``log_path`` (appended: a resumed step
     keeps the log of its earlier attempts); returns seconds taken.
 
     Raises:
         SystemExit: the step failed; the message names the step, the ranks that failed and how,
             the last checkpoint to resume from, and the log (the step's own output was shown above).
+            With ``nodes`` (hostfile hosts → slots, this node's rank) it also names this node and
+            the node a lost connection points to.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -199,6 +209,15 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
     if code != 0:
         ckpts = list_checkpoints(step_dir)
         reached = _last_logged_step(step_dir)
+        if nodes is not None:
+            hosts, this = nodes
+            if this is not None:
+                host = list(hosts)[this]
+                failures.insert(0, f"this is node {this} ({host}, global ranks "
+                                   f"{multinode.global_ranks(hosts)[host]}) of {len(hosts)}")
+            peer = multinode.lost_peer(failures, hosts, this)
+            if peer:
+                failures.append(peer)
         if reached is not None:
             failures.append(f"the last optimizer step logged was {reached}")
         resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
@@ -268,7 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         if a.reward_zero_stage is not None:
             flags[2] += ["--zero_stage", str(a.reward_zero_stage)]
             flags[3] += ["--critic_zero_stage", str(a.reward_zero_stage)]
-    cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port)
+    if (a.node_rank is not None or a.master_addr) and a.deployment_type != "multi_node":
+        raise SystemExit("train.py: --node-rank and --master-addr are for --deployment-type multi_node")
+    cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
+    nodes = (multinode.read_hostfile(a.hostfile), a.node_rank) if a.deployment_type == "multi_node" else None
     dirs = {1: out / "step1_actor", 2: out / "step2_reward", 3: out / "step3_rlhf"}
     models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],
               3: ["--actor_model_name_or_path", str(dirs[1]), "--critic_model_name_or_path", str(dirs[2])]}
@@ -289,11 +311,12 @@ def main(argv: list[str] | None = None) -> None:
         again = ["--overwrite_output_dir"] if a.overwrite else ["--resume"]
         step_cmd = [*cmd, "--module", STEP_MODULES[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
                     *again, *extra]
-        log_path = out / "logs" / f"step{s}.log"
+        node = f".node{a.node_rank}" if a.node_rank is not None else ""  # nodes may share the output folder
+        log_path = out / "logs" / f"step{s}{node}.log"
         ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
         print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
-        times[s] = run_step(s, step_cmd, env, log_path, dirs[s])
+        times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes)
         print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)

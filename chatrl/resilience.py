@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 
 import torch
@@ -236,8 +237,11 @@ def report_failure():
             raise
         rank = os.environ.get("RANK", "0")
         where = _PROGRESS["step"] or "chatrl"
-        sys.stderr.write(f"\nchatrl: rank {rank} failed in {where} after optimizer step {_PROGRESS['optimizer_step']}: "
-                         f"{type(e).__name__}: {_short(str(e))}\n")
+        # the DeepSpeed launcher's node rank and node count (CROSS_RANK / CROSS_SIZE) on multi-node jobs
+        node = (f" on node {os.environ.get('CROSS_RANK')} of {os.environ['CROSS_SIZE']} ({socket.gethostname()})"
+                if int(os.environ.get("CROSS_SIZE", "1")) > 1 else "")
+        sys.stderr.write(f"\nchatrl: rank {rank} failed in {where} after optimizer step {_PROGRESS['optimizer_step']}"
+                         f"{node}: {type(e).__name__}: {_short(str(e))}\n")
         if "Connection closed by peer" in str(e) or "Connection reset" in str(e) or "NCCL" in str(e):
             sys.stderr.write("chatrl: another rank has probably died; its own message (or the launcher's) names it. "
                              "The step continues from its last checkpoint with --resume (train.py adds it when the "
