@@ -20,7 +20,12 @@ import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    TrainerCallback,
+)
 
 
 class StepClock(TrainerCallback):
