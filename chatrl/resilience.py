@@ -35,7 +35,8 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     """Make ``optimizer.step()`` a no-op (gradients dropped) when any gradient is NaN or ±inf.
 
     Sets ``optimizer.overflow`` after each call, the attribute DeepSpeed's engine reads to count a
-    skipped step and hold the learning-rate schedule. For optimizers whose gradients are the same
+    skipped step and hold the learning-rate schedule (a total gradient norm that overflows fp32, above
+    ~1.8e19 per element, counts as non-finite too). For optimizers whose gradients are the same
     on every rank when ``step`` runs (ZeRO-0: DeepSpeed all-reduces them first), so every rank
     takes the same decision. Returns the optimizer, patched in place.
     """
@@ -43,7 +44,9 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
 
     def step(*args, **kwargs):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        # one fused norm over all gradients (a NaN or ±inf anywhere makes it non-finite); a per-tensor
+        # isfinite() was 37% of a tiny model's optimizer step on CPU (bench/peers profile)
+        finite = not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
         optimizer.overflow = not finite
         if not finite:
             optimizer.zero_grad(set_to_none=True)

@@ -20,10 +20,10 @@ from chatrl.dist import free_port
 from tests.conftest import DATA, REPO
 
 DATA_PATH = str(DATA / "hh-rlhf" / "helpful-base[0:300]")
-COMMON = "--dtype fp32 --data_split 2,4,4 --eval_iters 1 --disable_progress_bar"
+COMMON = "--dtype fp32 --data_split 2,4,4 --disable_progress_bar"
 STEP_ARGS = {
-    1: "--max_steps 3 --max_seq_len 128",
-    2: "--max_steps 3 --max_seq_len 128",
+    1: "--max_steps 3 --max_seq_len 128 --eval_iters 1",
+    2: "--max_steps 3 --max_seq_len 128 --eval_iters 1",
     3: "--max_steps 2 --max_prompt_seq_len 32 --max_answer_seq_len 12",
 }
 # per step: the metrics log and the values that must match
@@ -118,7 +118,7 @@ def test_two_nodes_follow_the_single_node_run_and_save_the_same_folders(tmp_path
 @pytest.mark.slow
 def test_killed_node_ends_the_other_with_a_message_naming_it(tmp_path, tiny_opt, hostfile):
     out = tmp_path / "out"
-    long_step1 = {1: "--max_steps 60 --max_seq_len 128 --save_interval 2"}
+    long_step1 = {1: "--max_steps 60 --max_seq_len 128 --eval_iters 1 --save_interval 2"}
     procs = _nodes(tiny_opt, out, tmp_path / "cache", hostfile, free_port(), step_args=long_step1)
     try:
         t0 = time.time()
