@@ -198,20 +198,26 @@ def main() -> None:
                 runs.append({"stage": stage, "repeat": rep, "trl": trl, "chatrl": ours})
                 print(f"[peers] {stage} repeat {rep}: TRL {trl['samples_per_s']:.2f} samples/s, "
                       f"chatrl {ours['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
-    result = {"bench": "peers", "date": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "versions": versions(a),
-              "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-              "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
-                        "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
-                        "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
-                        "answer_len": 64, "dtype": "fp32", "chatrl_zero_stage": 0, "steps":
-                        {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps},
-                        "samples_per_s": "training loop, end of step 1 to end of last step"},
-              "stages": summarise(runs), "runs": runs}
-    text = json.dumps(result, indent=1)
+                if a.out:  # what is measured so far survives an interrupted run
+                    Path(a.out).write_text(json.dumps(report(a, started, load_before, runs, partial=True), indent=1))
+    text = json.dumps(report(a, started, load_before, runs), indent=1)
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+
+
+def report(a, started: str, load_before, runs: list[dict], partial: bool = False) -> dict:
+    """The JSON document: versions, machine load, set-up, per-stage summary and every run."""
+    return {"bench": "peers", "date": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "partial": partial, "versions": versions(a),
+            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+            "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
+                      "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
+                      "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
+                      "answer_len": 64, "dtype": "fp32", "chatrl_zero_stage": 0, "steps":
+                      {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps},
+                      "samples_per_s": "training loop, end of step 1 to end of last step"},
+            "stages": summarise(runs), "runs": runs}
 
 
 if __name__ == "__main__":
