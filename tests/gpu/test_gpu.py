@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import DATA
 from tests.launch import run_ranks
 
+pytestmark = pytest.mark.gpu  # (tests/gpu/conftest.py skips them without CUDA)
 GPU_ENV = {"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "4"}
 HH = str(DATA / "hh-rlhf" / "helpful-base[0:400]")
 
