@@ -29,6 +29,7 @@ STEP_ARGS = {
 # per step: the metrics log and the values that must match
 LOSSES = {"step1_actor": ["train/loss"], "step2_reward": ["train/loss", "train/accuracy"],
           "step3_rlhf": ["actor_loss", "critic_loss", "reward/score_mean", "kl"]}
+TIMINGS = ("time/", "elapsed", "samples_per_s")  # wall-clock figures in the run markers differ, of course
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
@@ -111,7 +112,8 @@ def test_two_nodes_follow_the_single_node_run_and_save_the_same_folders(tmp_path
         for name in files_one:
             assert files_one[name] == files_two[name], (sub, name)
         runs = [json.loads((root / sub / "chatrl_run.json").read_text()) for root in (one, two)]
-        assert runs[0]["metrics"] == runs[1]["metrics"] and runs[0]["steps"] == runs[1]["steps"], sub
+        final = [{k: v for k, v in r["metrics"].items() if not k.startswith(TIMINGS)} for r in runs]
+        assert final[0] == final[1] and runs[0]["steps"] == runs[1]["steps"], sub
     assert (two / "step3_rlhf" / "actor" / "model.safetensors").exists()
 
 
