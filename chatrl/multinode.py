@@ -92,17 +92,15 @@ def lost_peer(failures: list[str], hosts: dict[str, int], this_node: int | None)
 
     ``failures`` are the lines a failed step printed (chatrl's per-rank report holds gloo's
     ``Connection closed by peer [ADDR]:PORT``). The candidates are the hosts other than
-    ``this_node``; when some of them resolve to ``ADDR``, only those. Returns a sentence naming the
+    ``this_node``; when some of them resolve to ``ADDR``, only those (all of them when the line
+    gives no address). Returns a sentence naming the
     node(s) with their node ranks and global ranks, or None when no line reports a lost connection.
     """
-    addr = None
-    for line in failures:
-        m = _PEER_ADDR.search(line) if _LOST.search(line) else None
-        if m:
-            addr = m.group(1)
-            break
-    if addr is None:
+    lost = [line for line in failures if _LOST.search(line)]
+    if not lost:
         return None
+    found = [m.group(1) for m in map(_PEER_ADDR.search, lost) if m]
+    addr = found[0] if found else "another node"
     ranks = global_ranks(hosts)
     others = [(i, h) for i, h in enumerate(hosts) if i != this_node]
     matching = [(i, h) for i, h in others if addr in _addresses(h) or addr == h]

@@ -65,4 +65,6 @@ def test_lost_peer_names_the_other_node():
     assert multinode.lost_peer([line], three, 0).endswith("192.0.2.8 (node 2, global ranks 16–23) has stopped "
                                                           "(killed, crashed or unreachable)")
     assert "one of the other nodes" in multinode.lost_peer(["Connection closed by peer [198.51.100.1]:1"], three, 0)
+    assert multinode.lost_peer(["RuntimeError: Broken pipe"], two, 0) == (
+        "lost the connection to another node: node1 (node 1, global rank 1) has stopped (killed, crashed or unreachable)")
     assert multinode.lost_peer(["local rank 0 exited with code 1"], two, 0) is None
