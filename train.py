@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatrl import multinode
 from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
 from chatrl.config import add_block, setting, to_argv
@@ -160,6 +161,11 @@ class PipelineConfig:
     hostfile: str = setting("/job/hostfile", "DeepSpeed hostfile for --deployment-type multi_node")
     master_port: int | None = setting(None, "launcher port (default: a free one on single-node runs, 29500 across "
                                             "nodes)", type=int)
+    node_rank: int | None = setting(None, "multi_node without ssh: start only this node of the hostfile (run train.py "
+                                          "on every node, each with its own --node-rank; docs/multi_node.md). "
+                                          "Default: ssh/pdsh from this host", type=int)
+    master_addr: str | None = setting(None, "multi_node: address of the node running global rank 0 (default: the "
+                                            "hostfile's first host)", type=str)
     overwrite: bool = setting(False, "redo steps whose output already holds a finished run")
     step1_args: str = setting("", "extra flags for step 1, as one quoted string")
     step2_args: str = setting("", "extra flags for step 2, as one quoted string")
@@ -172,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: int | None) -> tuple[list, dict]:
-    """The DeepSpeed launcher command and environment for a deployment."""
+def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: int | None,
+             node_rank: int | None = None, master_addr: str | None = None) -> tuple[list, dict]:
+    """The DeepSpeed launcher command and environment for a deployment (multi_node: see chatrl.multinode)."""
     cmd = [str(Path(sys.executable).with_name("deepspeed"))]
     if not Path(cmd[0]).exists():
         cmd = ["deepspeed"]
@@ -189,7 +196,7 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
         if not Path(hostfile).exists():
             raise SystemExit(f"--deployment-type multi_node needs a DeepSpeed hostfile; {hostfile} does not exist "
                              "(pass --hostfile PATH with one 'host slots=N' line per node)")
-        cmd += ["--hostfile", hostfile]
+        cmd += multinode.launcher_flags(hostfile, node_rank, master_addr)
     if master_port is None and deployment != "multi_node":
         master_port = free_port()  # two jobs on one machine must not collide on the launcher's 29500
     if master_port:
@@ -197,13 +204,16 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
     return cmd, env
 
 
-def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path) -> float:
+def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path,
+             nodes: tuple[dict[str, int], int | None] | None = None) -> float:
     """Run one step, streaming its output to the terminal and ``log_path`` (appended: a resumed step
     keeps the log of its earlier attempts); returns seconds taken.
 
     Raises:
         SystemExit: the step failed; the message names the step, the ranks that failed and how,
             the last checkpoint to resume from, and the log (the step's own output was shown above).
+            With ``nodes`` (hostfile hosts → slots, this node's rank) it also names this node and
+            the node a lost connection points to.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -227,6 +237,15 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
     if code != 0:
         ckpts = list_checkpoints(step_dir)
         reached = _last_logged_step(step_dir)
+        if nodes is not None:
+            hosts, this = nodes
+            if this is not None:
+                host = list(hosts)[this]
+                failures.insert(0, f"this is node {this} ({host}, global ranks "
+                                   f"{multinode.global_ranks(hosts)[host]}) of {len(hosts)}")
+            peer = multinode.lost_peer(failures, hosts, this)
+            if peer:
+                failures.append(peer)
         if reached is not None:
             failures.append(f"the last optimizer step logged was {reached}")
         resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
@@ -296,7 +315,10 @@ def main(argv: list[str] | None = None) -> None:
                             3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}})
         for s in over:
             flags[s] += over[s]
-    cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port)
+    if (a.node_rank is not None or a.master_addr) and a.deployment_type != "multi_node":
+        raise SystemExit("train.py: --node-rank and --master-addr are for --deployment-type multi_node")
+    cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
+    nodes = (multinode.read_hostfile(a.hostfile), a.node_rank) if a.deployment_type == "multi_node" else None
     dirs = {1: out / "step1_actor", 2: out / "step2_reward", 3: out / "step3_rlhf"}
     models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],
               3: ["--actor_model_name_or_path", str(dirs[1]), "--critic_model_name_or_path", str(dirs[2])]}
@@ -317,11 +339,12 @@ def main(argv: list[str] | None = None) -> None:
         again = ["--overwrite_output_dir"] if a.overwrite else ["--resume"]
         step_cmd = [*cmd, "--module", STEP_MODULES[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
                     *again, *extra]
-        log_path = out / "logs" / f"step{s}.log"
+        node = f".node{a.node_rank}" if a.node_rank is not None else ""  # nodes may share the output folder
+        log_path = out / "logs" / f"step{s}{node}.log"
         ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
         print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
-        times[s] = run_step(s, step_cmd, env, log_path, dirs[s])
+        times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes)
         print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)

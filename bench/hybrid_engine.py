@@ -56,7 +56,10 @@ def _launch(argv) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = _args(argv)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+    import torch
+
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"  # one rank per GPU there (--nprocs)
+    env = {**os.environ, "DS_ACCELERATOR": accelerator, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nprocs),
            "--master_port", str(port), __file__, *argv]

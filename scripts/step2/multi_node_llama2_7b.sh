@@ -2,11 +2,18 @@
 # Step 2 on several nodes (a DeepSpeed hostfile: one "host slots=N" line per node): a Llama-2-7B reward
 # model, ZeRO-3, bf16, gradient checkpointing, LoRA 128 (the head always trains).
 # Usage: HOSTFILE=/job/hostfile scripts/step2/multi_node_llama2_7b.sh [OUTPUT_DIR] [ZERO_STAGE] [extra flags...]
+#        (no-ssh mode: NODE_RANK=i MASTER_ADDR=node0 on every node; see docs/multi_node.md)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUTPUT=${1:-output/step2_llama2_7b}; ZERO_STAGE=${2:-3}; HOSTFILE=${HOSTFILE:-/job/hostfile}
+# ssh mode (default): run on the first host; pdsh + passwordless ssh start the others (docs/multi_node.md).
+# no-ssh mode (Slurm, Kubernetes): run on every node with NODE_RANK (0..N-1) and MASTER_ADDR (node 0) set.
+LAUNCH=(--hostfile "$HOSTFILE")
+if [ -n "${NODE_RANK:-}" ]; then
+  LAUNCH+=(--no_ssh --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}")
+fi
 mkdir -p "$OUTPUT"
-deepspeed --hostfile "$HOSTFILE" --module chatrl.step2_reward \
+deepspeed "${LAUNCH[@]}" --module chatrl.step2_reward \
   --model_name_or_path meta-llama/Llama-2-7b-hf \
   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
   --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
@@ -14,4 +21,4 @@ deepspeed --hostfile "$HOSTFILE" --module chatrl.step2_reward \
   --lr_scheduler_type cosine --num_warmup_steps 100 --seed 1234 --dtype bf16 --disable_dropout \
   --gradient_checkpointing --offload --lora_dim 128 --lora_module_name layers. \
   --eval_interval 500 --eval_iters 100 --zero_stage "$ZERO_STAGE" \
-  --enable_tensorboard --output_dir "$OUTPUT" "${@:3}" 2>&1 | tee "$OUTPUT/training.log"
+  --enable_tensorboard --output_dir "$OUTPUT" "${@:3}" 2>&1 | tee "$OUTPUT/training${NODE_RANK:+.node$NODE_RANK}.log"

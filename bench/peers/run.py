@@ -1,0 +1,224 @@
+"""Peer benchmark: TRL 1.12's SFT, reward and PPO trainers against chatrl's steps 1–3 on one set-up.
+
+    .venv/bin/python bench/peers/run.py                              # 3 interleaved repeats, all stages
+    .venv/bin/python bench/peers/run.py --stages ppo --repeats 5     # step 3 only (e.g. after a speed-up)
+    .venv/bin/python bench/peers/run.py --out bench/results/peers_$(date +%F).json
+
+The set-up, identical on both sides: a tiny random OPT (hidden 64, 2 layers, 4 heads, FFN 256; GPT-2
+BPE with a separate pad token), hh-rlhf helpful-base pairs 0–999 for training and 1000–1199 for the
+reward model's eval accuracy, sequences of 256 tokens (SFT, reward), prompts of 128 and answers of
+64 tokens (PPO, temperature 0.7, one PPO epoch, one mini-batch), batch 4 per rank, 2 CPU ranks (gloo,
+one thread each), fp32. TRL runs under ``torchrun`` in its own venv (``setup_trl_venv.sh``, made or
+reused first); chatrl runs its step programs under the DeepSpeed launcher, ZeRO-0 (like TRL's DDP).
+Runs are interleaved (TRL, chatrl, TRL, chatrl, …) so that load on the machine hits both alike.
+
+Measured per run: ``samples_per_s`` over the training loop from the end of its first step to the
+end of its last (samples = steps × 4 × 2; PPO: rollouts), and ``wall_s`` from launch to exit
+(start-up included). Printed as JSON (and written to ``--out``): per stage both frameworks' figures,
+their medians and the median of the per-repeat ratios chatrl / TRL, and the reward models' eval
+accuracies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
+HH = SHARED / "data" / "hh-rlhf" / "helpful-base" / "test.jsonl.gz"
+ASSISTANT = "\n\nAssistant:"
+BATCH, RANKS = 4, 2
+STAGES = {"sft": "chatrl.step1_sft", "reward": "chatrl.step2_reward", "ppo": "chatrl.step3_ppo"}
+
+
+def prepare(work: Path) -> dict[str, Path]:
+    """The tiny OPT, the reward-model initialisation (PPO's reward and value model) and the pairs."""
+    from chatrl.models import load_tokenizer
+    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+    from chatrl.tiny import TinySpec, make_tiny_model
+
+    model, rm = work / "opt", work / "rm_init"
+    make_tiny_model("opt", model, TinySpec(hidden=64, layers=2, heads=4, ffn=256))
+    tok = load_tokenizer(str(model))
+    assert tok.pad_token_id != tok.eos_token_id
+    save_reward_model(load_reward_model(str(model), tok, require_head=False), tok, rm)
+    with gzip.open(HH, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f][:1200]
+    for name, part in (("train", rows[:1000]), ("eval", rows[1000:1200])):
+        with open(work / f"pairs_{name}.jsonl", "w", encoding="utf-8") as f:
+            for r in part:
+                cut = r["chosen"].rfind(ASSISTANT) + len(ASSISTANT)
+                prompt = r["chosen"][:cut]
+                rejected = r["rejected"][cut:] if r["rejected"][:cut] == prompt else r["rejected"].rsplit(ASSISTANT, 1)[-1]
+                f.write(json.dumps({"prompt": prompt, "chosen": r["chosen"][cut:], "rejected": rejected}) + "\n")
+    return {"model": model, "rm": rm}
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+            "TRL_EXPERIMENTAL_SILENCE": "1", "WANDB_DISABLED": "true", "PYTHONPATH": str(REPO)}
+
+
+def _launch(cmd: list[str], log: Path, timeout: float) -> float:
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:6]}… exited {proc.returncode}; log: {log}\n" + log.read_text()[-3000:])
+    return time.time() - t0
+
+
+def run_trl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
+    from chatrl.dist import free_port
+
+    d = work / f"trl_{stage}_{tag}"
+    d.mkdir()
+    steps = {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps}[stage]
+    cmd = [str(Path(a.trl_venv) / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
+           "--master_port", str(free_port()), str(HERE / "trl_stage.py"), stage, "--model", str(paths["model"]),
+           "--reward_model", str(paths["rm"]), "--data", str(work), "--out", str(d / "out"),
+           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH)]
+    wall = _launch(cmd, d / "log", a.timeout)
+    return {**json.loads((d / "result.json").read_text()), "wall_s": wall}
+
+
+def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
+    from chatrl.dist import free_port
+
+    d = work / f"chatrl_{stage}_{tag}"
+    data = [f"{HH}[0:1000]"]
+    common = ["--data_output_path", str(work / "chatrl_cache"), "--disable_progress_bar", "--seed", "1",
+              "--output_dir", str(d / "out")]
+    if stage == "sft":
+        flags = ["--model_name_or_path", str(paths["model"]), "--data_path", *data, "--data_split", "10,0,0",
+                 "--max_seq_len", "256", "--per_device_train_batch_size", str(BATCH), "--learning_rate", "1e-3",
+                 "--max_steps", str(a.sft_steps), "--eval_iters", "1", "--num_warmup_steps", "0"]
+    elif stage == "reward":
+        flags = ["--model_name_or_path", str(paths["model"]), "--data_path", *data, "--data_split", "0,10,0",
+                 "--eval_data_path", f"{HH}[1000:1200]", "--max_seq_len", "256", "--per_device_train_batch_size",
+                 str(BATCH), "--per_device_eval_batch_size", "8", "--learning_rate", "5e-4",
+                 "--max_steps", str(a.reward_steps), "--num_warmup_steps", "0"]
+    else:
+        flags = ["--actor_model_name_or_path", str(paths["model"]), "--critic_model_name_or_path", str(paths["rm"]),
+                 "--data_path", *data, "--data_split", "0,0,10", "--max_prompt_seq_len", "128",
+                 "--max_answer_seq_len", "64", "--per_device_generation_batch_size", str(BATCH),
+                 "--per_device_training_batch_size", str(BATCH), "--max_steps", str(a.ppo_steps),
+                 "--temperature", "0.7", "--actor_learning_rate", "3e-6", "--critic_learning_rate", "3e-6",
+                 "--num_warmup_steps", "0", "--enable_hybrid_engine"]
+    launcher = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(launcher), "--num_gpus", str(RANKS), "--master_port", str(free_port()), "--module", STAGES[stage],
+           *flags, *common, *(["--zero_stage", "0"] if stage != "ppo" else
+                              ["--actor_zero_stage", "0", "--critic_zero_stage", "0"])]
+    d.mkdir()
+    wall = _launch(cmd, d / "log", a.timeout)
+    rows = [json.loads(x) for x in (d / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    key = "actor_loss" if stage == "ppo" else "train/loss"
+    train = [r for r in rows if key in r]
+    rate = (len(train) - 1) * BATCH * RANKS / (train[-1]["elapsed_s"] - train[0]["elapsed_s"])
+    out = {"samples_per_s": rate, "steps": len(train), "wall_s": wall}
+    if stage == "reward":
+        last = [r for r in rows if "eval/accuracy" in r][-1]
+        out.update(eval_accuracy=last["eval/accuracy"], eval_pairs=last.get("eval/pairs"))
+    return out
+
+
+def versions(a) -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    trl = subprocess.run([str(Path(a.trl_venv) / "bin" / "python"), "-c",
+                          "import trl,torch,transformers,accelerate;print(trl.__version__,torch.__version__,"
+                          "transformers.__version__,accelerate.__version__)"],
+                         capture_output=True, text=True, env=_env()).stdout.split()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    return {"chatrl": commit.strip(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "trl_venv": dict(zip(["trl", "torch", "transformers", "accelerate"], trl, strict=False))}
+
+
+def summarise(runs: list[dict]) -> dict:
+    out = {}
+    for stage in STAGES:
+        pairs = [(r["trl"], r["chatrl"]) for r in runs if r["stage"] == stage]
+        if not pairs:
+            continue
+        trl, ours = [p[0]["samples_per_s"] for p in pairs], [p[1]["samples_per_s"] for p in pairs]
+        out[stage] = {"trl_samples_per_s": trl, "chatrl_samples_per_s": ours,
+                      "trl_median": statistics.median(trl), "chatrl_median": statistics.median(ours),
+                      "median_ratio_chatrl_over_trl": statistics.median(o / t for t, o in zip(trl, ours, strict=True)),
+                      "trl_wall_s": [p[0]["wall_s"] for p in pairs], "chatrl_wall_s": [p[1]["wall_s"] for p in pairs]}
+        if stage == "reward":
+            out[stage]["eval_accuracy"] = {"trl": [p[0].get("eval_accuracy") for p in pairs],
+                                           "chatrl": [p[1].get("eval_accuracy") for p in pairs],
+                                           "eval_pairs": {"trl": pairs[0][0].get("eval_pairs"),
+                                                          "chatrl": pairs[0][1].get("eval_pairs")}}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per framework and stage")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    p.add_argument("--sft_steps", type=int, default=40, help="optimizer steps of SFT / step 1")
+    p.add_argument("--reward_steps", type=int, default=125, help="optimizer steps of reward training (125: one epoch)")
+    p.add_argument("--ppo_steps", type=int, default=10, help="PPO updates (experience buffers of 4 × 2 rollouts)")
+    p.add_argument("--trl_venv", default=os.environ.get("TRL_VENV", "/tmp/trl_cpu/venv"))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--keep", help="keep the work folder (logs, outputs) here instead of a temporary one")
+    a = p.parse_args()
+    subprocess.run(["bash", str(HERE / "setup_trl_venv.sh")], check=True, env={**os.environ, "TRL_VENV": a.trl_venv},
+                   stdout=sys.stderr)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(a.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        paths = prepare(work)
+        runs = []
+        for rep in range(a.repeats):
+            for stage in a.stages:
+                tag = f"r{rep}"
+                trl = run_trl(stage, a, paths, work, tag)
+                ours = run_chatrl(stage, a, paths, work, tag)
+                runs.append({"stage": stage, "repeat": rep, "trl": trl, "chatrl": ours})
+                print(f"[peers] {stage} repeat {rep}: TRL {trl['samples_per_s']:.2f} samples/s, "
+                      f"chatrl {ours['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
+                if a.out:  # what is measured so far survives an interrupted run
+                    Path(a.out).write_text(json.dumps(report(a, started, load_before, runs, partial=True), indent=1))
+    text = json.dumps(report(a, started, load_before, runs), indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+def report(a, started: str, load_before, runs: list[dict], partial: bool = False) -> dict:
+    """The JSON document: versions, machine load, set-up, per-stage summary and every run."""
+    return {"bench": "peers", "date": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "partial": partial, "versions": versions(a),
+            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+            "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
+                      "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
+                      "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
+                      "answer_len": 64, "dtype": "fp32", "chatrl_zero_stage": 0, "steps":
+                      {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps},
+                      "samples_per_s": "training loop, end of step 1 to end of last step"},
+            "stages": summarise(runs), "runs": runs}
+
+
+if __name__ == "__main__":
+    main()
