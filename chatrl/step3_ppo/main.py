@@ -97,7 +97,8 @@ def build_parser():
     cli.add_checkpoint_args(p)
     g = p.add_argument_group("step 3 logging")
     g.add_argument("--print_answers", action="store_true", help="print a prompt and its answer every interval")
-    g.add_argument("--print_answers_interval", type=int, default=10)
+    g.add_argument("--print_answers_interval", type=int, default=10,
+                   help="steps between the rollouts recorded in logs/samples.jsonl (and printed with --print_answers)")
     return p
 
 
@@ -255,13 +256,12 @@ def main(argv: list[str] | None = None) -> dict:
             if step % args.log_interval == 0 or step == total_buffers:
                 tracker.log(metrics, step)
             tracker.advance()
-            if args.print_answers and (step % args.print_answers_interval == 0 or step == 1):
+            if step % args.print_answers_interval == 0 or step == 1:  # one rollout for the report (and console)
                 p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
                 a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
-                prompt = tokenizer.decode(p, skip_special_tokens=True)
-                prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
-                tracker.write(f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}"
-                              f"[{tokenizer.decode(a, skip_special_tokens=True)}]")
+                tracker.sample(step, tokenizer.decode(p, skip_special_tokens=True),
+                               tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
+                               (exp.kl[0] * exp.action_mask[0]).sum().item(), show=args.print_answers)
             ckpt.save_if_due(step, total_buffers, state())
             if step >= total_buffers or step == args.stop_after_steps:
                 break
