@@ -12,6 +12,7 @@ steps hand off only through HF folders under ``--output-dir``:
     OUTPUT/step2_reward/         step 2's reward model (also step 3's critic initialisation)
     OUTPUT/step3_rlhf/actor/     the chat model; critic/ and (--enable_ema) actor_ema/ beside it
     OUTPUT/logs/stepN.log        each step's full log
+    OUTPUT/report.html           the run report (curves, samples, alerts), refreshed after each step
 
 A step whose output already holds a finished run is skipped (``--overwrite`` redoes it); an
 unfinished one (a crash, a killed job) resumes from its newest checkpoint when the same command is
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from chatrl.cli import RUN_MARKER
 from chatrl.dist import free_port, list_checkpoints
+from chatrl.report import report_note
 from chatrl.tracking import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent
@@ -295,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
         times[s] = run_step(s, step_cmd, env, log_path, dirs[s])
         print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+        print(report_note(out), flush=True)  # OUTPUT/report.html: curves, samples, alerts (python -m chatrl.report)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)
     if times:
