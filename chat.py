@@ -6,6 +6,9 @@ Multi-turn: the whole conversation is formatted with the same function step 1 tr
 stream as they are generated. When the conversation would no longer fit the model's context
 window (minus the answer budget), the oldest turns are dropped first. Type ``clear`` to start a
 new conversation and ``quit`` (or Ctrl-D) to leave. Input may be piped: one user turn per line.
+
+``python chat.py --web --path <actor> [--compare <other actor>]`` serves the same chat as a web page
+on http://127.0.0.1:7860 (:mod:`chatrl.web_chat`), side by side with a second model if given.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ import os
 import sys
 
 from chatrl.cli import normalize_argv
-
-HUMAN_MARKER = "\n\nHuman:"
+from chatrl.conversation import HUMAN_MARKER, prompt_ids_within
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,35 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed the sampler for reproducible answers")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, … (default: cuda if available)")
     p.add_argument("--trust_remote_code", action="store_true")
+    g = p.add_argument_group("web chat (pip install -e \".[web]\")")
+    g.add_argument("--web", action="store_true", help="serve a chat page instead of the terminal loop")
+    g.add_argument("--host", default="127.0.0.1", help="address the web chat binds (0.0.0.0 exposes it to the network)")
+    g.add_argument("--port", type=int, default=7860, help="web chat port")
+    g.add_argument("--compare", default=None,
+                   help="a second model folder answering the same messages side by side (e.g. step 1's actor)")
+    g.add_argument("--system_prompt", default="", help="initial system prompt of the web chat")
     return p
-
-
-def prompt_ids_within(tokenizer, history: list[dict], budget: int) -> tuple[list[int], list[dict]]:
-    """Token ids of the conversation ``history`` (ending with a user turn) that fit ``budget`` tokens.
-
-    Whole turns are dropped from the oldest (a user turn together with the answer that followed it),
-    never cut mid-text; the newest user turn is always kept, cut from the left only if it alone is
-    too long. Returns ``(ids, kept_history)``.
-    """
-    from chatrl.data import encode_prompt
-
-    kept = list(history)
-    while True:
-        ids = encode_prompt(tokenizer, kept)
-        if len(ids) <= budget:
-            return ids, kept
-        first_user = next(i for i, m in enumerate(kept) if m["role"] == "user")
-        if first_user == len(kept) - 1:
-            return ids[-budget:], kept
-        drop_to = first_user + 1
-        while drop_to < len(kept) - 1 and kept[drop_to]["role"] != "user":
-            drop_to += 1
-        kept = [m for m in kept[:first_user] if m["role"] == "system"] + kept[drop_to:]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.web:
+        from chatrl.web_chat import serve
+
+        return serve(args)
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, TextStreamer

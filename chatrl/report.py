@@ -54,30 +54,37 @@ class StepRun:
     command: str | None
     alerts: list[Alert] = field(default_factory=list)
 
+    starts: list[int] = field(default_factory=list)  # row indices where a resumed attempt continued
+
     @property
     def resumes(self) -> list[int]:
-        """Steps after which a resumed attempt continued (where ``elapsed_s`` starts again)."""
-        out, last = [], None
-        for row in self.rows:
-            t = row.get("elapsed_s")
-            if t is not None and last is not None and t < last[0]:
-                out.append(last[1])
-            if t is not None:
-                last = (t, row.get("step", 0))
-        return out
+        """Steps from which a resumed attempt continued (the last kept step of each earlier log)."""
+        return [self.rows[i - 1].get("step", 0) if i else 0 for i in self.starts]
 
     @property
     def wall_s(self) -> float:
         """Seconds of logged time over all attempts (each attempt's last ``elapsed_s``, summed)."""
-        total, last = 0.0, 0.0
-        for row in self.rows:
-            t = row.get("elapsed_s")
-            if t is None:
-                continue
-            if t < last:
-                total += last
-            last = t
-        return total + last
+        total = 0.0
+        for a, b in zip([0, *self.starts], [*self.starts, len(self.rows)], strict=True):
+            times = [r["elapsed_s"] for r in self.rows[a:b] if isinstance(r.get("elapsed_s"), (int, float))]
+            total += max(times, default=0.0)
+        return total
+
+
+def _resume_starts(folder: Path, rows: list[dict]) -> list[int]:
+    """Row indices of ``rows`` where a resumed attempt began: a resume keeps the earlier log as
+    ``metrics.before-resume-N.jsonl`` (:meth:`chatrl.tracking.Tracker.resumed_at`), and the
+    current log agrees with it up to the resume point."""
+    starts = []
+    logs = sorted((folder / METRICS_FILE).parent.glob("metrics.before-resume-*.jsonl"),
+                  key=lambda p: int(p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1].isdigit() else 0)
+    for log in logs:
+        before = read_metrics(log)
+        n = 0
+        while n < min(len(before), len(rows)) and before[n] == rows[n]:
+            n += 1
+        starts.append(n)
+    return sorted(set(starts))
 
 
 def _load_step(folder: Path, output_dir: Path) -> StepRun:
@@ -97,8 +104,9 @@ def _load_step(folder: Path, output_dir: Path) -> StepRun:
             lines = [x[2:] for x in log.read_text(encoding="utf-8", errors="replace").splitlines() if x.startswith("$ ")]
             command = lines[-1] if lines else None
             break
-    run = StepRun(folder, number, title, read_metrics(folder / METRICS_FILE), read_metrics(folder / SAMPLES_FILE),
-                  marker, command)
+    rows = read_metrics(folder / METRICS_FILE)
+    run = StepRun(folder, number, title, rows, read_metrics(folder / SAMPLES_FILE), marker, command,
+                  starts=_resume_starts(folder, rows))
     run.alerts = check_rows(run.rows)
     return run
 
