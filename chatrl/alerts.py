@@ -50,7 +50,7 @@ class Thresholds:
     kl_accel: float = 2.0         # kl_surge: and this many times faster than the steps before
     slope_steps: int = 5          # kl_surge: steps per slope estimate
     hack_steps: int = 10          # score_up_reward_down: window (steps)
-    hack_margin: float = 0.1      # score_up_reward_down: change in units of the score's spread
+    hack_margin: float = 0.5      # score_up_reward_down: change in units of the score's spread over rollouts
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ STEP_FOLDERS = {"step1_actor": (1, "step 1: supervised fine-tuning"), "step2_rew
 # Counters and sizes that are not curves worth a chart.
 NOT_CHARTED = {"samples", "elapsed_min", "train/tokens", "eval/tokens", "eval/pairs"}
 # Metrics drawn together on one chart (step 3); any other metric gets its own chart, with train/X and eval/X together.
+CHART_ORDER = ("loss", "ppl", "accuracy", "margin", "score and KL-penalised reward", "kl", "entropy", "answer_len",
+               "eos_rate", "reward/score_std", "actor_loss", "critic_loss", "ptx_loss", "explained_variance")
 CHART_GROUPS = {"reward/score_mean": "score and KL-penalised reward", "reward/mean": "score and KL-penalised reward",
                 "clip_frac": "clipping", "value_clip_frac": "clipping"}
 
@@ -181,8 +183,13 @@ def headlines(run: StepRun) -> list[tuple[str, str]]:
     split = {k[5:]: sum(_finite(_series(rows, k)[1])) for k in _keys(rows) if k.startswith("time/")}
     total = sum(split.values())
     if total > 0:
+        shares = sorted(((v / total, k) for k, v in split.items()), reverse=True)
         out.append(("time split (logged per-step timers)",
-                    ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))))
+                    ", ".join(f"{k} {f:.0%}" for f, k in shares if f >= 0.005) or "-"))
+    flat = [(k, ys[0]) for k in _keys(rows) for ys in [_series(rows, k)[1]]
+            if k not in NOT_CHARTED and len(ys) > 1 and _constant(ys)]
+    if flat:
+        out.append(("constant over the run (not charted)", ", ".join(f"{k} = {v:.4g}" for k, v in flat)))
     return out
 
 
@@ -196,14 +203,20 @@ def _keys(rows: list[dict]) -> list[str]:
     return list(seen)
 
 
+def _constant(ys: list[float]) -> bool:
+    return len(set(ys)) == 1
+
+
 def chart_groups(rows: list[dict]) -> dict[str, list[str]]:
-    """Chart title → metric names drawn on it. Metrics logged at fewer than 2 steps, or only as 0,
-    are left to the headline figures; ``train/X`` and ``eval/X`` share a chart, as do the
-    ``time/*`` timers and the :data:`CHART_GROUPS`."""
+    """Chart title → metric names drawn on it, the PPO health signals first (:data:`CHART_ORDER`).
+
+    Metrics logged at fewer than 2 steps or with one constant value are left to the headline
+    figures; ``train/X`` and ``eval/X`` share a chart, as do the ``time/*`` timers and the
+    :data:`CHART_GROUPS`."""
     groups: dict[str, list[str]] = {}
     for k in _keys(rows):
         xs, ys = _series(rows, k)
-        if k in NOT_CHARTED or len(xs) < 2 or all(y == 0 for y in ys):
+        if k in NOT_CHARTED or len(xs) < 2 or _constant(ys):
             continue
         if k.startswith("time/"):
             title = "time per step (s)"
@@ -212,7 +225,8 @@ def chart_groups(rows: list[dict]) -> dict[str, list[str]]:
         else:
             title = k.split("/", 1)[1] if k.startswith(("train/", "eval/")) else k
         groups.setdefault(title, []).append(k)
-    return groups
+    rank = {t: i for i, t in enumerate(CHART_ORDER)}
+    return dict(sorted(groups.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
 
 def _figures(run: StepRun) -> list:
@@ -232,8 +246,9 @@ def _figures(run: StepRun) -> list:
             if alert.metric in keys:
                 fig.add_vline(x=alert.step, line_dash="dot", line_color="#c0392b", annotation_text=alert.rule,
                               annotation_font_color="#c0392b")
-        fig.update_layout(title={"text": title, "font": {"size": 14}}, height=300, margin={"l": 50, "r": 10, "t": 40, "b": 35},
-                          legend={"orientation": "h", "y": -0.2}, showlegend=len(keys) > 1, template="plotly_white",
+        fig.update_layout(title={"text": title, "font": {"size": 14}}, height=300 + 20 * (len(keys) > 1),
+                          margin={"l": 50, "r": 10, "t": 40, "b": 35 + 45 * (len(keys) > 1)},
+                          legend={"orientation": "h", "y": -0.3}, showlegend=len(keys) > 1, template="plotly_white",
                           xaxis_title="optimizer step")
         figs.append(fig)
     return figs

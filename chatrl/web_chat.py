@@ -196,7 +196,7 @@ def serve(args) -> None:
 
 
 PAGE = r"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>chatrl chat</title>
+<html lang="en"><head><meta charset="utf-8"><title>chatrl chat</title><link rel="icon" href="data:,">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:0;color:#222;background:#f7f7f8}
@@ -256,7 +256,8 @@ async function answer(i, text) {
   const c = columns[i];
   c.history.push({role: "user", content: text});
   c.msgs.appendChild(el("div", "msg user", text));
-  const out = el("div", "msg assistant", ""); out.dataset.chunks = "0"; c.msgs.appendChild(out);
+  const out = el("div", "msg assistant", ""); c.msgs.appendChild(out);
+  out.dataset.chunks = "0"; out.dataset.reads = "0";  // events and network reads: > 1 read means it streamed
   const system = document.getElementById("system").value.trim();
   const messages = (system && document.getElementById("system-box").style.display !== "none"
     ? [{role: "system", content: system}] : []).concat(c.history);
@@ -269,6 +270,7 @@ async function answer(i, text) {
   for (;;) {
     const {value, done} = await reader.read();
     if (done) break;
+    out.dataset.reads = String(Number(out.dataset.reads) + 1);
     buf += decoder.decode(value, {stream: true});
     let end;
     while ((end = buf.indexOf("\n\n")) >= 0) {

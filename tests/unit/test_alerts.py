@@ -93,12 +93,15 @@ def test_score_up_while_kl_penalised_reward_down():
     score = [0.3 + 0.05 * i for i in range(20)]
     reward = [0.3] * 8 + [0.3 - 0.05 * k for k in range(1, 13)]
     rows = with_series("reward/mean", reward, with_series("reward/score_mean", score, healthy(20)))
+    rows = with_series("reward/score_std", [0.16] * 20, rows)
     a = fired(rows)
-    # window of 10: rise = 0.05 × 7 = 0.35 always; fall: first 3 vs last 3 of the window must exceed
-    # 0.1 × 0.2 = 0.02. Step 10 window = steps 1..10: r = 0.3 ×8, 0.25, 0.2: fall = 0.3 − 0.25 = 0.05 ✓
-    # Step 9: r (1..9) last 3 = 0.3, 0.3, 0.25 → fall 0.0167 < 0.02.
+    # window of 10 steps, first 3 against last 3: the score's rise is 0.05 × 7 = 0.35 throughout; both must
+    # exceed 0.5 × 0.16 = 0.08. Step 10 (steps 1..10): reward last 3 = 0.3, 0.25, 0.2 → fall 0.05;
+    # step 11 (steps 2..11): last 3 = 0.25, 0.2, 0.15 → fall 0.1 ✓
     assert list(a) == ["score_up_reward_down"]
-    assert a["score_up_reward_down"].step == 10 and a["score_up_reward_down"].value == pytest.approx(0.2)
+    assert a["score_up_reward_down"].step == 11 and a["score_up_reward_down"].value == pytest.approx(0.15)
+    # a wider score spread needs a larger change: margin 0.125 is passed at step 12 (fall 0.15), not 11 (0.1)
+    assert fired(with_series("reward/score_std", [0.25] * 20, rows))["score_up_reward_down"].step == 12
 
 
 def test_nonfinite_value_and_skipped_steps():

@@ -17,9 +17,9 @@ pytest.importorskip("plotly", reason="the report needs plotly: pip install -e '.
 def make_output(root: Path) -> Path:
     """train.py's layout: step 1 (finished, resumed once), step 2 (finished), step 3 (running, EOS collapsing).
 
-    Charts, hand-counted: step 1 loss (train+eval), ppl, lr → 3 (train/skipped_steps is all 0,
+    Charts, hand-counted: step 1 loss (train+eval), ppl, lr → 3 (train/skipped_steps is constant,
     eval/eos_rate has one point); step 2 loss, accuracy → 2; step 3 score and reward, kl, entropy,
-    score_std, answer_len, eos_rate, time per step → 7 (samples is not charted).
+    answer_len, eos_rate, time per step → 6 (samples is not charted, reward/score_std is constant).
     """
     s1 = root / "step1_actor"
     t = Tracker(str(s1), enabled=True, progress=False)
@@ -48,8 +48,8 @@ def make_output(root: Path) -> Path:
     for step in range(1, 13):
         eos = 0.9 if step <= 6 else 0.1
         t.log({"reward/score_mean": 0.2 + 0.01 * step, "reward/mean": 0.2, "reward/score_std": 0.1, "kl": 0.1 * step,
-               "entropy": 2.0, "answer_len": 20.0 + step, "eos_rate": eos, "samples": 32.0 * step,
-               "time/generate": 3.0, "time/train": 1.0}, step)
+               "entropy": 2.0 - 0.01 * step, "answer_len": 20.0 + step, "eos_rate": eos, "samples": 32.0 * step,
+               "time/generate": 3.0 + 0.3 * (step % 2), "time/train": 1.0 + 0.1 * (step % 2)}, step)
         if step % 5 == 0 or step == 1:
             t.sample(step, "\n\nHuman: say <b>hi</b>\n\nAssistant:", f"hi number {step}", 0.2 + 0.01 * step, 0.1 * step,
                      show=False)
@@ -75,12 +75,13 @@ def test_report_of_a_three_step_output(tmp_path):
     assert heads["reward model eval accuracy (chosen > rejected)"] == "0.450 → 0.610"
     # score mean of steps 1-3: 0.22; of steps 3-12: 0.275
     assert heads["reward-model score (mean of the first 3 steps → of the last 10)"] == "0.220 → 0.275"
-    assert heads["time split (logged per-step timers)"] == "generate 75%, train 25%"
+    assert heads["time split (logged per-step timers)"] == "generate 75%, train 25%"  # 6 × (3 + 3.3) against 6 × (1 + 1.1)
+    assert heads["constant over the run (not charted)"] == "reward/score_std = 0.1"
     assert dict(headlines(s3))["state"].startswith("unfinished") and dict(headlines(s2))["state"] == "finished"
     # EOS 0.9 for steps 1-6, then 0.1: mean of the last 3 is below 0.45 at step 8 ((0.9 + 0.1 + 0.1) / 3)
     assert [(a.rule, a.step) for a in s3.alerts] == [("eos_collapse", 8)]
     doc, n_charts = build_html(out)
-    assert n_charts == 3 + 2 + 7
+    assert n_charts == 3 + 2 + 6
     assert f'<meta name="chatrl-charts" content="{n_charts}">' in doc
     assert doc.count('class="chart"') == n_charts
     assert "eos_collapse" in doc and "EOS rate 0.37" in doc  # listed at the top with its figure
