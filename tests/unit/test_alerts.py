@@ -138,3 +138,18 @@ def test_tracker_prints_once_logs_the_figure_and_a_resume_does_not_refire(tmp_pa
         t.log({k: v for k, v in row.items() if k != "step"}, row["step"])
     t.close()
     assert capsys.readouterr().out.count("chatrl alert") == 1
+
+
+def test_demo_runs_real_step3_metrics():
+    """The 40 PPO steps of `train.py --preset demo` (stories260K, 2 CPU ranks): a healthy run, no alert.
+    Its KL warm-up (0 → ~1 nat in 7 steps, β 0.1) lowers the KL-penalised reward while the score rises a
+    little: with a margin of 0.1 score std (batch noise) that fired score_up_reward_down at step 13."""
+    from pathlib import Path
+
+    from chatrl.tracking import read_metrics
+
+    rows = read_metrics(Path(__file__).resolve().parents[1] / "data" / "demo_step3_metrics.jsonl")
+    assert len(rows) == 40 and rows[-1]["step"] == 40
+    assert check_rows(rows) == []
+    a = fired(rows, hack_margin=0.1)
+    assert list(a) == ["score_up_reward_down"] and a["score_up_reward_down"].step == 13
