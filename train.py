@@ -295,15 +295,18 @@ def main(argv: list[str] | None = None) -> None:
         ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
         print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
-        times[s] = run_step(s, step_cmd, env, log_path, dirs[s])
-        print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
-        print(report_note(out), flush=True)  # OUTPUT/report.html: curves, samples, alerts (python -m chatrl.report)
+        try:
+            times[s] = run_step(s, step_cmd, env, log_path, dirs[s])
+            print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+        finally:  # also after a failed step: its curves and alerts help to see why
+            print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)
     if times:
         print("wall time per step (s): " + ", ".join(f"step {s}: {t:.0f}" for s, t in times.items()), flush=True)
     else:
         print("all requested steps were already finished (--overwrite redoes them)", flush=True)
+        print(report_note(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -229,6 +229,18 @@ def chart_groups(rows: list[dict]) -> dict[str, list[str]]:
     return dict(sorted(groups.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
 
+MAX_POINTS = 2000  # per curve: keeps the report of a 100k-step run small and quick to draw
+
+
+def _thin(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
+    """Every k-th point (k = ⌈n / limit⌉) and the last one, so a curve has at most ``limit + 1`` points."""
+    if len(xs) <= limit:
+        return xs, ys
+    k = -(-len(xs) // limit)
+    idx = [*range(0, len(xs) - 1, k), len(xs) - 1]
+    return [xs[i] for i in idx], [ys[i] for i in idx]
+
+
 def _figures(run: StepRun) -> list:
     import plotly.graph_objects as go
 
@@ -236,7 +248,7 @@ def _figures(run: StepRun) -> list:
     for title, keys in chart_groups(run.rows).items():
         fig = go.Figure()
         for k in keys:
-            xs, ys = _series(run.rows, k)
+            xs, ys = _thin(*_series(run.rows, k))
             fig.add_trace(go.Scatter(x=xs, y=[y if math.isfinite(y) else None for y in ys], name=k,
                                      mode="lines+markers" if len(xs) <= 30 else "lines"))
         for step in run.resumes:

@@ -118,6 +118,19 @@ def test_report_command_line(tmp_path, capsys):
         main([str(tmp_path / "out" / "logs")])
 
 
+def test_long_runs_are_thinned_to_a_small_report(tmp_path):
+    from chatrl.report import _thin, write_report
+
+    xs = list(range(1, 10_001))
+    tx, ty = _thin(xs, [2.0 * x for x in xs], limit=2000)
+    assert len(tx) == 2001 and tx[:3] == [1, 6, 11] and tx[-1] == 10_000 and ty[-1] == 20_000.0
+    t = Tracker(str(tmp_path), enabled=True, progress=False)
+    for step in range(1, 20_001):
+        t.log({"kl": step * 1e-4, "entropy": 2.0 - step * 1e-5, "eos_rate": 0.9, "answer_len": 30.0 + step % 7}, step)
+    t.close()
+    assert write_report(tmp_path).stat().st_size < 6e6  # plotly.js (~4.7 MB) and 3 curves of ≤ 2001 points
+
+
 def test_samples_are_trimmed_on_resume(tmp_path):
     t = Tracker(str(tmp_path), enabled=True, progress=False)
     for step in (1, 10, 20):
