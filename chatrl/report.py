@@ -280,12 +280,16 @@ def _alerts_html(runs: list[StepRun]) -> str:
             f"<th>what it means</th></tr>{body}</table>")
 
 
+def _tail(text: str, n: int) -> str:
+    return text if len(text) <= n else "…" + text[-n:]
+
+
 def _samples_html(samples: list[dict]) -> str:
     if not samples:
         return ""
     body = "".join(
         f"<tr><td>{s.get('step')}</td><td>{s.get('score', float('nan')):+.3f}</td><td>{s.get('kl', float('nan')):.3f}</td>"
-        f"<td><pre>{_esc(s.get('prompt', '')[-600:])}</pre></td><td><pre>{_esc(s.get('answer', ''))}</pre></td></tr>"
+        f"<td><pre>{_esc(_tail(s.get('prompt', ''), 600))}</pre></td><td><pre>{_esc(s.get('answer', ''))}</pre></td></tr>"
         for s in samples)
     return (f"<h3>Rollouts over time ({len(samples)})</h3><table class=\"samples\"><tr><th>step</th><th>score</th>"
             f"<th>KL (nats)</th><th>prompt (end)</th><th>answer</th></tr>{body}</table>")
