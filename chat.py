@@ -6,6 +6,9 @@ Multi-turn: the whole conversation is formatted with the same function step 1 tr
 stream as they are generated. When the conversation would no longer fit the model's context
 window (minus the answer budget), the oldest turns are dropped first. Type ``clear`` to start a
 new conversation and ``quit`` (or Ctrl-D) to leave. Input may be piped: one user turn per line.
+
+``python chat.py --web --path <actor> [--compare <other actor>]`` serves the same chat as a web page
+on http://127.0.0.1:7860 (:mod:`chatrl.web_chat`), side by side with a second model if given.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ from dataclasses import dataclass
 from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
-
-HUMAN_MARKER = "\n\nHuman:"
+from chatrl.conversation import HUMAN_MARKER, prompt_ids_within
 
 
 @dataclass
@@ -34,40 +36,34 @@ class ChatConfig:
     device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", type=str)
 
 
+@dataclass
+class WebChatConfig:
+    """The web chat (``--web``, :mod:`chatrl.web_chat`)."""
+
+    web: bool = setting(False, "serve a chat page instead of the terminal loop")
+    host: str = setting("127.0.0.1", "address the web chat binds (0.0.0.0 exposes it to the network)")
+    port: int = setting(7860, "web chat port")
+    compare: str | None = setting(None, "a second model folder answering the same messages side by side "
+                                        "(e.g. step 1's actor)", type=str)
+    system_prompt: str = setting("", "initial system prompt of the web chat")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_block(p, ChatConfig)
     config.add_block(p, config.SamplingConfig, defaults={"temperature": 0.7, "top_p": 0.9})
     config.add_block(p, config.ModelConfig, only=("trust_remote_code",))
+    config.add_block(p, WebChatConfig, title='web chat (pip install -e ".[web]")')
     return p
-
-
-def prompt_ids_within(tokenizer, history: list[dict], budget: int) -> tuple[list[int], list[dict]]:
-    """Token ids of the conversation ``history`` (ending with a user turn) that fit ``budget`` tokens.
-
-    Whole turns are dropped from the oldest (a user turn together with the answer that followed it),
-    never cut mid-text; the newest user turn is always kept, cut from the left only if it alone is
-    too long. Returns ``(ids, kept_history)``.
-    """
-    from chatrl.data import encode_prompt
-
-    kept = list(history)
-    while True:
-        ids = encode_prompt(tokenizer, kept)
-        if len(ids) <= budget:
-            return ids, kept
-        first_user = next(i for i, m in enumerate(kept) if m["role"] == "user")
-        if first_user == len(kept) - 1:
-            return ids[-budget:], kept
-        drop_to = first_user + 1
-        while drop_to < len(kept) - 1 and kept[drop_to]["role"] != "user":
-            drop_to += 1
-        kept = [m for m in kept[:first_user] if m["role"] == "system"] + kept[drop_to:]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.web:
+        from chatrl.web_chat import serve
+
+        return serve(args)
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, TextStreamer

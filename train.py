@@ -12,6 +12,7 @@ steps hand off only through HF folders under ``--output-dir``:
     OUTPUT/step2_reward/         step 2's reward model (also step 3's critic initialisation)
     OUTPUT/step3_rlhf/actor/     the chat model; critic/ and (--enable_ema) actor_ema/ beside it
     OUTPUT/logs/stepN.log        each step's full log
+    OUTPUT/report.html           the run report (curves, samples, alerts), refreshed after each step
 
 A step whose output already holds a finished run is skipped (``--overwrite`` redoes it); an
 unfinished one (a crash, a killed job) resumes from its newest checkpoint when the same command is
@@ -37,6 +38,7 @@ from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
 from chatrl.config import add_block, setting, to_argv
 from chatrl.dist import free_port
+from chatrl.report import report_note
 from chatrl.tracking import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent
@@ -344,14 +346,18 @@ def main(argv: list[str] | None = None) -> None:
         ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
         print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
-        times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes)
-        print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+        try:
+            times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes)
+            print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+        finally:  # also after a failed step: its curves and alerts help to see why
+            print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
     if 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)
     if times:
         print("wall time per step (s): " + ", ".join(f"step {s}: {t:.0f}" for s, t in times.items()), flush=True)
     else:
         print("all requested steps were already finished (--overwrite redoes them)", flush=True)
+        print(report_note(out), flush=True)
 
 
 if __name__ == "__main__":

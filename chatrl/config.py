@@ -163,7 +163,7 @@ class RolloutConfig:
     per_device_generation_batch_size: int = setting(4, "prompts per rank per generation", unit="prompts")
     generation_batches: int = setting(1, "generation batches per experience buffer")
     print_answers: bool = setting(False, "print a prompt and its answer every --print_answers_interval steps")
-    print_answers_interval: int = setting(10, "steps between printed answers", unit="steps")
+    print_answers_interval: int = setting(10, "steps between the rollouts recorded in logs/samples.jsonl (and printed with --print_answers)", unit="steps")
 
 
 @dataclass

@@ -12,7 +12,10 @@ import os
 import time
 from pathlib import Path
 
+from chatrl.alerts import ALERT_PREFIX, AlertMonitor, format_alert
+
 METRICS_FILE = Path("logs") / "metrics.jsonl"
+SAMPLES_FILE = Path("logs") / "samples.jsonl"
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -30,7 +33,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 class Tracker:
-    """Writes metrics of one run.
+    """Writes metrics of one run, and checks them against the run-health alerts.
+
+    Every logged row goes through :class:`chatrl.alerts.AlertMonitor`; an alert that fires is
+    printed once (rank 0) and logged as ``alert/<rule>`` (its figure) in the same row.
 
     Args:
         output_dir: the step's output folder; the log goes to ``output_dir/logs/metrics.jsonl``
@@ -48,6 +54,8 @@ class Tracker:
         self._tb = None
         self._bar = None
         self._start = time.time()
+        self._desc = ""
+        self.alerts = AlertMonitor()
         if not enabled:
             return
         log_dir = Path(output_dir) / "logs"
@@ -75,10 +83,14 @@ class Tracker:
         n = 1 + sum(1 for _ in self.path.parent.glob("metrics.before-resume-*.jsonl"))
         shutil.copyfile(self.path, self.path.with_name(f"metrics.before-resume-{n}.jsonl"))
         kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        _rewrite(self.path, kept)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        samples = self.path.parent.parent / SAMPLES_FILE
+        if samples.exists():
+            _rewrite(samples, [row for row in read_metrics(samples) if row.get("step", 0) <= step])
+        self.alerts = AlertMonitor()  # alerts of the kept steps fired already: replay them silently
+        for row in kept:
+            self.alerts.update(row)
         if self._tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -91,6 +103,8 @@ class Tracker:
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
+        fired = self.alerts.update({"step": step, **clean})
+        clean.update({ALERT_PREFIX + a.rule: a.value for a in fired})
         row = {"step": step, "elapsed_s": round(time.time() - self._start, 3), **clean}
         self._file.write(json.dumps(row, allow_nan=True) + "\n")
         self._file.flush()
@@ -102,6 +116,20 @@ class Tracker:
             keep = ("ppl", "eval/ppl", "eval/accuracy", "reward/mean")
             shown = {k: f"{v:.4g}" for k, v in clean.items() if isinstance(v, float) and ("loss" in k or k in keep)}
             self._bar.set_postfix(shown, refresh=False)
+        for alert in fired:
+            self.write(format_alert(alert, self._desc))
+
+    def sample(self, step: int, prompt: str, answer: str, score: float, kl: float, show: bool = True) -> None:
+        """Record one rollout of optimizer step ``step`` in ``logs/samples.jsonl`` (for the run report):
+        its prompt and answer text, reward-model ``score`` and summed ``kl`` (nats); ``show`` prints it."""
+        if not self.enabled:
+            return
+        row = {"step": step, "prompt": prompt, "answer": answer, "score": float(score), "kl": float(kl)}
+        with open(self.path.parent.parent / SAMPLES_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+        if show:
+            shown = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
+            self.write(f"--- step {step} score {score:+.3f}\n{shown}[{answer}]")
 
     def bar(self, total: int, desc: str, initial: int = 0):
         """Start a progress bar of ``total`` optimizer steps (a no-op object off rank 0)."""
@@ -109,6 +137,7 @@ class Tracker:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True)
+        self._desc = desc
         return self
 
     def advance(self, n: int = 1) -> None:
@@ -133,6 +162,13 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def _rewrite(path: Path, rows: list[dict]) -> None:
+    """Replace a JSONL file with ``rows``, atomically."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def setup_logging(rank: int) -> None:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with chatrl and its dependencies (CPU torch 2.13.0 unless torch is already there).
 # Usage: scripts/setup.sh            (idempotent; re-run after pulling)
+# Installs the dev and web extras (tests, run report, web chat); the browser tests also need Debian's
+# chromium package (.ci/run installs it; by hand: apt-get install chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,5 +13,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # A plain 'pip install torch' pulls a multi-GB CUDA build; on GPU machines install your CUDA torch first.
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[dev,web]"
 .venv/bin/python -c "import chatrl, deepspeed, transformers, torch; print('chatrl ready: torch', torch.__version__, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep -v WARNING

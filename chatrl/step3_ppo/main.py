@@ -252,8 +252,12 @@ def train(run: Step3Run, score_fn=None) -> dict:
             if step % args.log_interval == 0 or step == total_buffers:
                 tracker.log(metrics, step)
             tracker.advance()
-            if args.print_answers and (step % args.print_answers_interval == 0 or step == 1):
-                tracker.write(describe_rollout(exp, tokenizer, step))
+            if step % args.print_answers_interval == 0 or step == 1:  # one rollout for the report (and console)
+                p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
+                a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
+                tracker.sample(step, tokenizer.decode(p, skip_special_tokens=True),
+                               tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
+                               (exp.kl[0] * exp.action_mask[0]).sum().item(), show=args.print_answers)
             ckpt.save_if_due(step, total_buffers, state())
             if step >= total_buffers or ckpt.stop_here(step):
                 break
@@ -269,15 +273,6 @@ def train(run: Step3Run, score_fn=None) -> dict:
     if info.is_main:
         write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(args)})
     return metrics
-
-
-def describe_rollout(exp, tokenizer, step: int) -> str:
-    """The first rollout of ``exp`` as text: its score, the prompt's end and the ``[answer]``."""
-    p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
-    a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
-    prompt = tokenizer.decode(p, skip_special_tokens=True)
-    prompt = prompt if len(prompt) <= 400 else "…" + prompt[-400:]
-    return f"--- step {step} score {exp.scores[0].item():+.3f}\n{prompt}[{tokenizer.decode(a, skip_special_tokens=True)}]"
 
 
 if __name__ == "__main__":

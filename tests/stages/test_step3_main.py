@@ -45,6 +45,10 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
     # step 2's scores were made NaN: its PPO actor step and critic step were skipped (its PTX step, on
     # finite text, was not), and no step after it
     assert [r["skipped_steps"] for r in rows] == [0, 2, 2]
+    assert [r["step"] for r in rows if "alert/nonfinite" in r] == [2]  # the run-health alert, logged once
+    samples = [json.loads(x) for x in (out / "logs" / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 2, 3]  # one rollout per --print_answers_interval, for the report
+    assert all(isinstance(s["answer"], str) and s["prompt"] for s in samples) and math.isfinite(samples[0]["kl"])
     assert all(math.isfinite(rows[2][k]) for k in ("actor_loss", "critic_loss", "ptx_loss"))
     assert (out / "chatrl_run.json").exists()
     ids = torch.tensor([tok("Once upon a time").input_ids])
