@@ -13,7 +13,9 @@ Loss types (:data:`LOSS_TYPES`), per pair:
 ``sigmoid``  ``−(1−ε) log σ(β h) − ε log σ(−β h)``                               Rafailov et al. 2023 eq. 7;
                                                                                  ``ε > 0``: conservative DPO
                                                                                  (Mitchell 2023, "cDPO")
-``ipo``      ``(h − 1/(2β))²``                                                   Azar et al. 2023 eq. 17
+``ipo``      ``(h̄ − 1/(2β))²``, ``h̄`` as ``h`` with each log-ratio divided by    Azar et al. 2023 eq. 17
+             its answer's token count (the form the paper's results used, as
+             TRL's authors confirmed with them; keeps β comparable across lengths)
 ``hinge``    ``max(0, 1 − β h)``                                                 SLiC, Zhao et al. 2023 eq. 3
 ``simpo``    ``−(1−ε) log σ(β Δ̄ − γ) − ε log σ(−(β Δ̄ − γ))`` with                  Meng et al. 2024 eq. 6;
              ``Δ̄ = log π(y_w|x)/|y_w| − log π(y_l|x)/|y_l|`` (no reference)         reference-free
@@ -111,7 +113,7 @@ def preference_loss(
         settings: β, ε, loss type, γ.
         policy_chosen, policy_rejected: ``(B,)`` summed answer log-probs under the policy (nats).
         ref_chosen, ref_rejected: ``(B,)`` the same under the reference; required unless SimPO.
-        chosen_len, rejected_len: ``(B,)`` answer token counts; required by SimPO (length
+        chosen_len, rejected_len: ``(B,)`` answer token counts; required by IPO and SimPO (length
             normalisation), ignored otherwise.
 
     Returns:
@@ -125,9 +127,9 @@ def preference_loss(
     if pc.shape != pr.shape or pc.ndim != 1:
         raise ValueError(f"policy log-probs must be two (B,) tensors, got {tuple(pc.shape)} and {tuple(pr.shape)}")
     beta, eps = settings.beta, settings.label_smoothing
+    if settings.loss_type in ("simpo", "ipo") and (chosen_len is None or rejected_len is None):
+        raise ValueError(f"the {settings.loss_type} loss needs the answers' token counts (length normalisation)")
     if settings.loss_type == "simpo":
-        if chosen_len is None or rejected_len is None:
-            raise ValueError("the simpo loss needs the answers' token counts (length normalisation)")
         avg_c = pc / chosen_len.clamp(min=1).to(pc)
         avg_r = pr / rejected_len.clamp(min=1).to(pr)
         losses = _smoothed_logsigmoid_loss(beta * (avg_c - avg_r) - settings.simpo_gamma, eps)
@@ -142,7 +144,8 @@ def preference_loss(
     if settings.loss_type == "sigmoid":
         losses = _smoothed_logsigmoid_loss(beta * h, eps)
     elif settings.loss_type == "ipo":
-        losses = (h - 1.0 / (2.0 * beta)) ** 2
+        h_avg = (pc - rc) / chosen_len.clamp(min=1).to(pc) - (pr - rr) / rejected_len.clamp(min=1).to(pr)
+        losses = (h_avg - 1.0 / (2.0 * beta)) ** 2
     else:  # hinge
         losses = torch.relu(1.0 - beta * h)
     return losses, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()

@@ -30,6 +30,7 @@ Run ``python -m chatrl.step2_dpo --help`` for the flags.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import time
 
@@ -189,7 +190,7 @@ def run(argv: list[str] | None = None) -> dict:
     from chatrl.step1_sft.main import eos_rate
     from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs
     from chatrl.step2_dpo.loss import DPOSettings
-    from chatrl.step2_dpo.reference import build_reference
+    from chatrl.step2_dpo.reference import build_reference, reference_kind
 
     try:
         settings = DPOSettings(args.beta, args.label_smoothing, args.loss_type, args.simpo_gamma)
@@ -219,6 +220,8 @@ def run(argv: list[str] | None = None) -> dict:
     model = load_causal_lm(args.model_name_or_path, tokenizer, dtype=args.dtype, dropout=dropout,
                            trust_remote_code=args.trust_remote_code)
     lora = LoraSettings(args.lora_dim, args.lora_module_name, args.only_optimize_lora, args.lora_learning_rate)
+    ref_kind = reference_kind(settings, lora)
+    ref_model = copy.deepcopy(model) if ref_kind == "copy" else None  # the frozen reference: the same weights
     model = apply_lora(model, lora)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -238,7 +241,8 @@ def run(argv: list[str] | None = None) -> dict:
                               num_training_steps=total_steps)
     ds_config = dist.deepspeed_config(batch, args.zero_stage, args.offload, args.dtype, args.gradient_clipping)
     engine = dist.initialize(model, ds_config, optimizer, scheduler)
-    reference = build_reference(args, settings, tokenizer, engine, lora, batch, info)
+    reference = build_reference(ref_kind, args, ref_model, engine, batch, info)
+    del ref_model
 
     tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
                       progress=not args.disable_progress_bar)

@@ -3,7 +3,8 @@
 One object answers :meth:`ReferenceLogps.logps` for a :class:`~chatrl.step2_dpo.batch.DPOCollator`
 batch, whichever of the set-ups :func:`build_reference` chose:
 
-* ``copy``: a frozen copy of the starting model, loaded from ``--model_name_or_path`` and wrapped
+* ``copy``: a frozen copy of the starting model (a deep copy of the policy as loaded, so that rows
+  added for a ``<pad>`` token are the same in both, whatever their initialisation), wrapped
   by DeepSpeed without an optimizer (ZeRO-3 partitions it across ranks when the policy runs
   ZeRO-3, ``--offload_reference_model`` keeps its partitions in CPU memory); always in eval mode,
   ``requires_grad`` off.
@@ -94,31 +95,36 @@ class ReferenceLogps:
         self.kind, self.engine = "precomputed", None
 
 
-def build_reference(args, settings, tokenizer, policy_engine, lora, batch, info) -> ReferenceLogps:
-    """The reference for this run's flags (see the module docstring for the choice).
+def reference_kind(settings, lora) -> str:
+    """``none`` (reference-free loss), ``adapters_disabled`` (LoRA with ``--only_optimize_lora``) or
+    ``copy``; decide it before LoRA wraps the policy (a copy is taken of the bare model)."""
+    if settings.reference_free:
+        return "none"
+    if lora.enabled and lora.only_optimize_lora:
+        return "adapters_disabled"
+    if lora.enabled:
+        log.info("LoRA without --only_optimize_lora trains the base weights too: the reference is a frozen copy")
+    return "copy"
+
+
+def build_reference(kind: str, args, initial_model, policy_engine, batch, info) -> ReferenceLogps:
+    """The reference of ``kind`` (:func:`reference_kind`; see the module docstring).
 
     Args:
-        args: parsed flags (``model_name_or_path``, ``zero_stage``, ``offload_reference_model``,
-            ``dtype``, ``trust_remote_code``, ``only_optimize_lora``).
-        settings: :class:`~chatrl.step2_dpo.loss.DPOSettings` (reference-free losses need none).
+        args: parsed flags (``zero_stage``, ``offload_reference_model``, ``dtype``).
+        initial_model: for ``copy``, a deep copy of the policy taken right after loading (before
+            LoRA and DeepSpeed); it becomes the frozen reference. Ignored otherwise.
         policy_engine: the policy's DeepSpeed engine (its module is peft-wrapped with LoRA).
-        lora: the :class:`~chatrl.models.LoraSettings` of the policy.
         batch: :class:`~chatrl.dist.BatchSizes` (the inference engine's config needs them).
     """
     from chatrl import dist
-    from chatrl.models import load_causal_lm
 
-    if settings.reference_free:
-        return ReferenceLogps("none", info.device)
-    if lora.enabled and lora.only_optimize_lora:
-        return ReferenceLogps("adapters_disabled", info.device, policy=policy_engine)
-    if lora.enabled:
-        log.info("LoRA without --only_optimize_lora trains the base weights too: the reference is a frozen copy")
+    if kind != "copy":
+        return ReferenceLogps(kind, info.device, policy=policy_engine if kind == "adapters_disabled" else None)
     stage = 3 if args.zero_stage == 3 else 0
     if args.offload_reference_model and stage != 3:
         log.info("--offload_reference_model applies under ZeRO-3; the reference stays on %s", info.device)
-    model = load_causal_lm(args.model_name_or_path, tokenizer, dtype=args.dtype, dropout=0.0,
-                           trust_remote_code=args.trust_remote_code)
+    model = initial_model
     model.requires_grad_(False)
     model.eval()
     engine = dist.initialize(model, dist.deepspeed_config(batch, stage, args.offload_reference_model and stage == 3,

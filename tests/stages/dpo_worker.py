@@ -5,7 +5,7 @@ Usage: dpo_worker.py RESULT_JSON WORK_DIR
 Three runs of ``chatrl.step2_dpo.main.run``:
 
 1. frozen copy: the reference's weights after training are bit-identical to the starting model's,
-   while the policy's moved;
+   while the policy's moved, and before training (eval, no dropout) the loss is exactly log 2;
 2. ``--precompute_ref_log_probs``: the same train losses as run 1 (the table holds the same numbers);
 3. LoRA with ``--only_optimize_lora``: the reference is the policy with adapters disabled (no
    second model), its log-probs equal the starting model's exactly, the base weights are
@@ -27,7 +27,7 @@ from tests.conftest import DATA, STORIES
 
 
 def _flags(work, name, *extra):
-    return ["--model_name_or_path", str(STORIES), "--data_path", str(DATA / "hh-rlhf" / "helpful-base[0:120]"),
+    return ["--model_name_or_path", f"{work}/base", "--data_path", str(DATA / "hh-rlhf" / "helpful-base[0:120]"),
             "--data_split", "0,1,0", "--eval_fraction", "0.2", "--max_seq_len", "256",
             "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--eval_iters", "1",
             "--learning_rate", "3e-3", "--max_steps", "3", "--dropout", "0.1", "--data_output_path", f"{work}/cache",
@@ -45,8 +45,12 @@ def _same(a: dict, b: dict) -> bool:
 
 def main():
     result_path, work = sys.argv[1], sys.argv[2]
+    # stories260K with its <pad> row added once and saved, so that every load of it is the same weights
     tok = load_tokenizer(str(STORIES))
-    start = {k: v.clone() for k, v in load_causal_lm(str(STORIES), tok).state_dict().items()}
+    base = load_causal_lm(str(STORIES), tok)
+    base.save_pretrained(f"{work}/base")
+    tok.save_pretrained(f"{work}/base")
+    start = {k: v.clone() for k, v in base.state_dict().items()}
     out = {}
 
     res = run(_flags(work, "copy"))
@@ -57,6 +61,7 @@ def main():
     policy = dist.full_state_dict(res["engine"].module)
     out["copy_policy_moved"] = not _same(policy, start)
     out["copy_losses"] = _losses(f"{work}/copy")
+    out["copy_eval0_loss"] = [json.loads(x) for x in open(f"{work}/copy/logs/metrics.jsonl")][0]["eval/loss"]
 
     res = run(_flags(work, "pre", "--precompute_ref_log_probs"))
     out["pre_kind"] = res["reference"].kind
@@ -77,7 +82,7 @@ def main():
     data = build_phase_data(2, [str(DATA / "hh-rlhf" / "helpful-base[0:120]")], tok, data_split="0,1,0",
                             max_seq_len=256, eval_fraction=0.2, cache_dir=f"{work}/cache")
     batch = DPOCollator(tok.pad_token_id)([IndexedPairs(data.eval)[i] for i in range(4)])
-    fresh = load_causal_lm(str(STORIES), tok).eval()
+    fresh = load_causal_lm(f"{work}/base", tok).eval()
     want, _ = batch_logps(fresh, batch, "cpu")
     ref_c, ref_r = ref.logps(batch)
     out["lora_ref_max_diff"] = (torch.cat([ref_c, ref_r]) - want).abs().max().item()

@@ -34,9 +34,12 @@ def test_label_smoothing_is_the_conservative_mixture():
 
 
 def test_ipo_loss_by_hand():
-    losses, _, _ = _loss(beta=0.1, loss_type="ipo")
-    # (h - 1/(2β))² with 1/(2β) = 5: (2 - 5)² = 9, (-1 - 5)² = 36
-    assert losses.tolist() == pytest.approx([9.0, 36.0], abs=1e-6)
+    s = DPOSettings(beta=0.1, loss_type="ipo")
+    losses, chosen, _ = preference_loss(s, PC, PR, RC, RR, torch.tensor([2, 1]), torch.tensor([1, 4]))
+    # per-token log-ratios: pair 0: 1/2 - (-1)/1 = 1.5; pair 1: 0/1 - 1/4 = -0.25; 1/(2β) = 5
+    # (1.5 - 5)² = 12.25, (-0.25 - 5)² = 27.5625
+    assert losses.tolist() == pytest.approx([12.25, 27.5625], abs=1e-6)
+    assert chosen.tolist() == pytest.approx([0.1, 0.0], abs=1e-7)  # rewards stay β · summed log-ratio
 
 
 def test_hinge_loss_by_hand():
@@ -81,6 +84,8 @@ def test_bad_settings_and_inputs_raise():
         preference_loss(DPOSettings(), PC, PR)
     with pytest.raises(ValueError, match="token counts"):
         preference_loss(DPOSettings(loss_type="simpo"), PC, PR)
+    with pytest.raises(ValueError, match="token counts"):
+        preference_loss(DPOSettings(loss_type="ipo"), PC, PR, RC, RR)
     with pytest.raises(ValueError, match="disagree"):
         preference_loss(DPOSettings(), PC, PR, RC[:1], RR)
 
