@@ -20,7 +20,8 @@ Three phases, each run by ``bench/peers/dpo_loss_vs_trl.sh`` in its own interpre
     (:func:`chatrl.models.causal_lm_logits`; TRL's venv may pin another transformers version),
     and prints one JSON object.
 
-TRL is never imported by chatrl or its tests: only the ``trl`` phase imports it, in TRL's venv.
+Both sides run in fp32 (``DPOConfig(bf16=False)``: TRL 1.12 defaults to bf16 autocast, which moves
+real-token logits of this model by up to 0.6). TRL is never imported by chatrl or its tests: only the ``trl`` phase imports it, in TRL's venv.
 """
 
 from __future__ import annotations
@@ -65,24 +66,24 @@ def prepare(work: Path, shared: Path) -> None:
     (work / "pairs.json").write_text(json.dumps(rows))
 
 
-class _Stub:
-    """Stands in for a model in TRL's loss code: returns fixed logits whatever it is called with."""
-
-    def __init__(self, logits):
-        self.logits = logits
-
-    def __call__(self, **kwargs):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(logits=self.logits)
-
-
 def run_trl(work: Path) -> None:
     import torch
     import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+
+    class Stub(torch.nn.Module):
+        """Stands in for a model in TRL's loss code: returns fixed logits whatever it is called with."""
+
+        def __init__(self, logits):
+            super().__init__()
+            self.logits = logits
+
+        def forward(self, **kwargs):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(logits=self.logits)
 
     rows = json.loads((work / "pairs.json").read_text())
     out = {"trl_version": trl.__version__, "losses": {}}
@@ -91,7 +92,8 @@ def run_trl(work: Path) -> None:
         policy = AutoModelForCausalLM.from_pretrained(work / "policy", dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(work / "reference", dtype=torch.float32)
         cfg = DPOConfig(output_dir=str(work / "trl_out"), beta=BETA, loss_type=[loss_type], report_to="none",
-                        per_device_train_batch_size=N_PAIRS, max_length=None, use_cpu=True, disable_dropout=True)
+                        per_device_train_batch_size=N_PAIRS, max_length=None, use_cpu=True, disable_dropout=True,
+                        bf16=False)  # TRL defaults to bf16 autocast; chatrl runs this in fp32
         trainer = DPOTrainer(model=policy, ref_model=reference, args=cfg, processing_class=tok,
                              train_dataset=Dataset.from_list(rows))
         batch = next(iter(trainer.get_train_dataloader()))
@@ -102,8 +104,8 @@ def run_trl(work: Path) -> None:
             full_chain = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False).item()
             fwd = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
             logits = {"policy": trainer.model(**fwd).logits, "reference": trainer.ref_model(**fwd).logits}
-            trainer.ref_model = _Stub(logits["reference"])
-            loss = trainer._compute_loss(_Stub(logits["policy"]), dict(batch), return_outputs=False).item()
+            trainer.ref_model = Stub(logits["reference"])
+            loss = trainer._compute_loss(Stub(logits["policy"]), dict(batch), return_outputs=False).item()
         out["losses"][loss_type] = {"identical_logits": loss, "full_chain": full_chain}
         out["batch"] = {k: v.cpu() for k, v in batch.items()}
         out["logits"] = logits
@@ -139,8 +141,11 @@ def compare(work: Path) -> dict:
     result = {"bench": "dpo_loss_vs_trl", "trl_version": trl_out["trl_version"], "beta": BETA,
               "pairs": ids.shape[0] // 2, "answer_tokens": n_answer,
               "padding_side": "right" if bool(mask[:, 0].all()) else "left",
-              "max_abs_logit_diff_own_forward_vs_trl_venv": max(
-                  (own[k] - trl_out["logits"][k]).abs().max().item() for k in own),
+              "max_abs_logit_diff_own_forward_vs_trl_venv_real_tokens": max(
+                  (own[k] - trl_out["logits"][k])[mask.bool()].abs().max().item() for k in own),
+              "max_abs_answer_logp_diff_own_forward_vs_trl_venv": max(
+                  (answer_logps(own[k], ids, completion)[0]
+                   - answer_logps(trl_out["logits"][k], ids, completion)[0]).abs().max().item() for k in own),
               "loss_types": {}}
     for t in LOSS_TYPES:
         theirs = trl_out["losses"][t]
