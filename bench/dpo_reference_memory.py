@@ -9,8 +9,10 @@ of ~50 MB (fp32), once per set-up, each in its own process, and prints one JSON 
 * ``copy``: DPO with a frozen copy as reference (forced here; what a LoRA set-up that loads the
   reference twice costs).
 
-For each: peak resident memory (``ru_maxrss``) and the parameter bytes held by the reference
-model; the ratios are each run's extra peak memory over the baseline, in units of one model.
+For each: the parameter bytes held by the reference model, the resident memory after training
+(engines and reference still alive) and the peak (``ru_maxrss``, dominated by data loading and
+logits on this small model); the ratios are each run's extra memory over the baseline's, in units
+of one model's parameter bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ def child(mode: str, model: str, work: str) -> None:
     ref_bytes = 0
     if ref.engine is not None:
         ref_bytes = sum(p.numel() * p.element_size() for p in ref.engine.module.parameters())
+    import gc
+
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     print("RESULT " + json.dumps({"mode": mode, "kind": ref.kind, "reference_param_bytes": ref_bytes,
+                                  "rss_after_training_bytes": rss,
                                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
@@ -68,9 +76,10 @@ def main() -> None:
                              capture_output=True, text=True, check=True)
         line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
         runs[mode] = json.loads(line[len("RESULT "):])
-    base = runs["none"]["peak_rss_bytes"]
-    for r in runs.values():
-        r["extra_peak_rss_models"] = round((r["peak_rss_bytes"] - base) / model_bytes, 3)
+    for key in ("rss_after_training_bytes", "peak_rss_bytes"):
+        base = runs["none"][key]
+        for r in runs.values():
+            r[key.replace("_bytes", "_over_baseline_in_models")] = round((r[key] - base) / model_bytes, 3)
     print(json.dumps({"bench": "dpo_reference_memory", "model_param_bytes": model_bytes, "runs": runs}, indent=2))
 
 

@@ -57,9 +57,11 @@ def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: tor
     if logits.shape[:2] != input_ids.shape or input_ids.shape != answer_mask.shape:
         raise ValueError(f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and answer_mask "
                          f"{tuple(answer_mask.shape)} disagree on (N, T)")
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     targets = input_ids[:, 1:]
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # One row at a time: a float32 (T, V) temporary instead of (N, T, V) (50k-token vocabularies).
+    token_logp = torch.stack([
+        torch.log_softmax(logits[i, :-1].float(), dim=-1).gather(-1, targets[i].unsqueeze(-1)).squeeze(-1)
+        for i in range(logits.shape[0])])
     mask = answer_mask[:, 1:].to(token_logp.dtype)
     return (token_logp * mask).sum(-1), answer_mask[:, 1:].long().sum(-1)
 

@@ -14,6 +14,6 @@ mkdir -p "$OUTPUT"
 .venv/bin/python -m chatrl.step2_dpo \
   --model_name_or_path output/models/opt \
   --data_path "$HB[0:1000]" --data_split 0,1,0 --eval_fraction 0 --eval_data_path "$HB[1000:1200]" \
-  --max_seq_len 256 --per_device_train_batch_size 4 --per_device_eval_batch_size 16 --learning_rate 5e-4 \
+  --max_seq_len 256 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 --learning_rate 5e-4 \
   --num_train_epochs 1 --eval_interval 50 --beta 0.1 --dtype fp32 \
   --seed "$SEED" --overwrite_output_dir --output_dir "$OUTPUT" "${@:3}" 2>&1 | tee "$OUTPUT/training.log"
