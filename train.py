@@ -19,6 +19,9 @@ unfinished one (a crash, a killed job) resumes from its newest checkpoint when t
 run again. Steps write checkpoints every ``--save_interval`` steps (the presets set it). Per-step
 flags pass through with ``--step1-args "…"`` (and ``--step2-args``, ``--step3-args``); they come
 last, so they override the presets.
+
+``--step2-method dpo`` replaces steps 2 and 3 by direct preference optimisation of the step-1 actor
+(``OUTPUT/step2_dpo/``, the chat model; ``--step2-args`` pass through to it) and stops there.
 """
 
 from __future__ import annotations
@@ -172,6 +175,28 @@ class PipelineConfig:
     step1_args: str = setting("", "extra flags for step 1, as one quoted string")
     step2_args: str = setting("", "extra flags for step 2, as one quoted string")
     step3_args: str = setting("", "extra flags for step 3, as one quoted string")
+    step2_method: str = setting("reward", "reward: step 2 trains a reward model for step 3's PPO; dpo: step 2 is "
+                                          "direct preference optimisation of the step-1 actor (python -m "
+                                          "chatrl.step2_dpo), and no step 3 runs", choices=("reward", "dpo"))
+
+
+def dpo_plan(out: Path, flags: dict, dirs: dict, models: dict, steps: list[int]) -> list[int]:
+    """Re-plan step 2 as DPO of the step-1 actor (``chatrl.step2_dpo`` into ``OUTPUT/step2_dpo``), in place;
+    returns the steps to run (step 3 dropped: the DPO model is the chat model). The DPO step uses
+    step 1's actor settings (ZeRO stage, LoRA, batch sizes) on step 2's preference data, with
+    DeepSpeed-Chat's DPO defaults (β 0.1, one epoch, a learning rate a tenth of step 1's)."""
+    if 3 in steps:
+        print("train.py: --step2-method dpo stops after step 2 (the DPO model is the chat model); step 3 is skipped",
+              flush=True)
+    step1 = flags[1]
+    lr = float(step1[step1.index("--learning_rate") + 1]) / 10 if "--learning_rate" in step1 else 5e-6
+    step2 = flags[2]  # starts with --data_path and the preference data (step 1's may add SFT-only sets)
+    end = next((i for i, f in enumerate(step2[1:], 1) if f.startswith("--")), len(step2))
+    flags[2] = [*step1, *step2[:end], "--learning_rate", f"{lr:g}", "--num_train_epochs", "1",
+                "--beta", "0.1", "--eval_eos_samples", "32"]
+    dirs[2] = out / "step2_dpo"
+    models[2] = ["--model_name_or_path", str(dirs[1])]
+    return [s for s in steps if s != 3]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +232,7 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
 
 
 def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path,
-             nodes: tuple[dict[str, int], int | None] | None = None) -> float:
+             nodes: tuple[dict[str, int], int | None] | None = None, name: str | None = None) -> float:
     """Run one step, streaming its output to the terminal and ``log_path`` (appended: a resumed step
     keeps the log of its earlier attempts); returns seconds taken.
 
@@ -253,7 +278,7 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
         resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
                   "no checkpoint was written (--save_interval): a rerun starts this step again")
         why = "".join(f"\n  {f}" for f in dict.fromkeys(failures))
-        raise SystemExit(f"train.py: step {step} ({STEP_NAMES[step]}) failed with exit code {code}{why}\n"
+        raise SystemExit(f"train.py: step {step} ({name or STEP_NAMES[step]}) failed with exit code {code}{why}\n"
                          f"  {resume}\n  full log: {log_path}")
     return time.time() - t0
 
@@ -304,9 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         actor, reward, flags = demo_plan(out)
         a.deployment_type = "cpu"
     else:
-        if not a.actor_model or not a.reward_model:
+        if not a.actor_model or not (a.reward_model or a.step2_method == "dpo"):
             raise SystemExit("train.py: pass --actor-model and --reward-model (or --preset demo)")
-        actor, reward = resolve_model(a.actor_model), resolve_model(a.reward_model)
+        actor, reward = resolve_model(a.actor_model), resolve_model(a.reward_model or a.actor_model)
         flags = size_preset(size_in_billions(actor), size_in_billions(reward), a.deployment_type,
                             a.actor_zero_stage, a.reward_zero_stage)
         data = a.data_path or DEFAULT_DATA
@@ -325,11 +350,15 @@ def main(argv: list[str] | None = None) -> None:
     models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],
               3: ["--actor_model_name_or_path", str(dirs[1]), "--critic_model_name_or_path", str(dirs[2])]}
     steps = sorted(set(a.step))
+    modules, names = dict(STEP_MODULES), dict(STEP_NAMES)
+    if a.step2_method == "dpo":
+        steps = dpo_plan(out, flags, dirs, models, steps)
+        modules[2], names[2] = "chatrl.step2_dpo", "direct preference optimisation"
     print(f"train.py: steps {steps} → {out} ({a.deployment_type}; actor {actor}; reward {reward})", flush=True)
     times = {}
     for s in steps:
         if (dirs[s] / RUN_MARKER).exists() and not a.overwrite:
-            print(f"step {s} ({STEP_NAMES[s]}): {dirs[s]} already holds a finished run; skipped "
+            print(f"step {s} ({names[s]}): {dirs[s]} already holds a finished run; skipped "
                   "(--overwrite to redo)", flush=True)
             continue
         if s == 3:
@@ -339,19 +368,22 @@ def main(argv: list[str] | None = None) -> None:
         extra = shlex.split(getattr(a, f"step{s}_args"))
         # An unfinished step continues from its newest checkpoint; --overwrite starts it afresh.
         again = ["--overwrite_output_dir"] if a.overwrite else ["--resume"]
-        step_cmd = [*cmd, "--module", STEP_MODULES[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
+        step_cmd = [*cmd, "--module", modules[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
                     *again, *extra]
         node = f".node{a.node_rank}" if a.node_rank is not None else ""  # nodes may share the output folder
         log_path = out / "logs" / f"step{s}{node}.log"
         ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
-        print(f"step {s} ({STEP_NAMES[s]}) → {dirs[s]}  (log: {log_path})"
+        print(f"step {s} ({names[s]}) → {dirs[s]}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
         try:
-            times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes)
+            times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes, names[s])
             print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
         finally:  # also after a failed step: its curves and alerts help to see why
             print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
-    if 3 in times or (dirs[3] / "actor" / "config.json").exists():
+    if a.step2_method == "dpo":
+        if (dirs[2] / RUN_MARKER).exists():
+            print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[2]}", flush=True)
+    elif 3 in times or (dirs[3] / "actor" / "config.json").exists():
         print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[3] / 'actor'}", flush=True)
     if times:
         print("wall time per step (s): " + ", ".join(f"step {s}: {t:.0f}" for s, t in times.items()), flush=True)

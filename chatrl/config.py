@@ -127,7 +127,8 @@ class ZeroConfig:
 
     zero_stage: int = setting(0, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3), per_model=True)
     offload: bool = setting(False, "ZeRO-Offload: optimizer states (and stage-3 params) to CPU")
-    offload_reference_model: bool = setting(False, "step 3: reference model's parameters on CPU (with ZeRO-3)")
+    offload_reference_model: bool = setting(False, "the frozen reference model's parameters on CPU (with ZeRO-3; "
+                                                   "step 3 and DPO)")
     offload_reward_model: bool = setting(False, "step 3: reward model's parameters on CPU (with ZeRO-3)")
     local_rank: int = setting(-1, "set by the DeepSpeed launcher; ignore")
 

@@ -1,0 +1,62 @@
+"""The DPO program's flags and train.py's ``--step2-method dpo`` plan."""
+
+import pytest
+
+import train
+from chatrl.cli import parse
+from chatrl.step2_dpo.main import build_parser
+
+BASE = ["--model_name_or_path", "m", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
+
+
+def test_dpo_flags_parse_with_deepspeed_chat_names_and_both_spellings():
+    args = parse(build_parser(), [*BASE, "--beta", "0.2", "--label-smoothing", "0.1", "--loss_type", "ipo",
+                                  "--precompute_ref_log_probs", "--offload_reference_model", "--zero_stage", "3",
+                                  "--lora_dim", "8", "--only_optimize_lora"])
+    assert (args.beta, args.label_smoothing, args.loss_type) == (0.2, 0.1, "ipo")
+    assert args.precompute_ref_log_probs and args.offload_reference_model and args.zero_stage == 3
+    with pytest.raises(SystemExit):
+        parse(build_parser(), [*BASE, "--loss_type", "kto"])
+
+
+def test_every_dpo_flag_has_help():
+    p = build_parser()
+    group = next(g for g in p._action_groups if g.title == "DPO")
+    assert {a.dest for a in group._group_actions} >= {"beta", "label_smoothing", "loss_type", "simpo_gamma",
+                                                      "precompute_ref_log_probs"}
+    assert all(a.help for a in group._group_actions)
+    offload = next(a for a in p._actions if a.dest == "offload_reference_model")
+    assert "reference" in offload.help
+
+
+def test_bad_dpo_settings_are_usage_errors(capsys):
+    from chatrl.step2_dpo.main import run
+
+    with pytest.raises(SystemExit):
+        run([*BASE, "--loss_type", "hinge", "--label_smoothing", "0.1"])
+    assert "--label_smoothing applies" in capsys.readouterr().err
+
+
+def test_train_py_dpo_plan_runs_dpo_on_the_step1_actor_and_no_step3(tmp_path):
+    flags = train.size_preset(1.3, 0.35, "single_gpu", None, None)
+    data = ["Dahoas/rm-static"]
+    for s in (1, 2, 3):
+        flags[s] = ["--data_path", *data, *flags[s]]
+    dirs = {1: tmp_path / "step1_actor", 2: tmp_path / "step2_reward", 3: tmp_path / "step3_rlhf"}
+    models = {1: ["--model_name_or_path", "a"], 2: ["--model_name_or_path", "r"], 3: []}
+    steps = train.dpo_plan(tmp_path, flags, dirs, models, [1, 2, 3])
+    assert steps == [1, 2]
+    assert dirs[2] == tmp_path / "step2_dpo" and models[2] == ["--model_name_or_path", str(dirs[1])]
+    args = parse(build_parser(), [*models[2], *flags[2], "--output_dir", str(dirs[2])])
+    assert args.lora_dim == 128 and args.zero_stage == 3 and args.gradient_checkpointing  # step 1's actor set-up
+    assert args.learning_rate == pytest.approx(9.65e-7) and args.beta == 0.1 and args.num_train_epochs == 1
+    assert args.data_path == data
+
+
+def test_train_py_dpo_plan_of_the_demo_uses_pair_data_only(tmp_path):
+    _, _, flags = train.demo_plan(tmp_path)
+    dirs = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}
+    train.dpo_plan(tmp_path, flags, dirs, {1: [], 2: [], 3: []}, [1, 2])
+    args = parse(build_parser(), ["--model_name_or_path", "m", *flags[2], "--output_dir", "o"])
+    assert all("hh-rlhf" in d for d in args.data_path) and len(args.data_path) == 2
+    assert args.zero_stage == 3 and args.learning_rate == pytest.approx(2e-4)

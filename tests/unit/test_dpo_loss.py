@@ -1,0 +1,158 @@
+"""DPO maths: hand-derived loss values for every loss type, label smoothing, answer masks, and
+per-sequence answer log-probs that do not depend on the padding around them."""
+
+import math
+
+import pytest
+import torch
+
+from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs, split_pairs
+from chatrl.step2_dpo.loss import DPOSettings, answer_logps, preference_loss, reward_stats
+
+# Two pairs. Pair 0: h = (-10 + 11) - (-12 + 11) = 2. Pair 1: h = (-5 + 5) - (-4 + 5) = -1.
+PC, PR = torch.tensor([-10.0, -5.0]), torch.tensor([-12.0, -4.0])
+RC, RR = torch.tensor([-11.0, -5.0]), torch.tensor([-11.0, -5.0])
+
+
+def _loss(**kw):
+    return preference_loss(DPOSettings(**kw), PC, PR, RC, RR)
+
+
+def test_sigmoid_loss_and_rewards_by_hand():
+    losses, chosen, rejected = _loss(beta=0.1)
+    # -log σ(0.2) = log(1 + e^-0.2) = log(1.8187307531) ; -log σ(-0.1) = log(1 + e^0.1) = log(2.1051709181)
+    assert losses.tolist() == pytest.approx([0.5981388693, 0.7443966600], abs=1e-7)
+    assert chosen.tolist() == pytest.approx([0.1, 0.0], abs=1e-7)     # β (π_c - ref_c)
+    assert rejected.tolist() == pytest.approx([-0.1, 0.1], abs=1e-7)  # β (π_r - ref_r)
+
+
+def test_label_smoothing_is_the_conservative_mixture():
+    losses, _, _ = _loss(beta=0.1, label_smoothing=0.1)
+    # pair 0: 0.9 · log(1 + e^-0.2) + 0.1 · log(1 + e^0.2) = 0.9 · 0.5981388693 + 0.1 · 0.7981388693
+    # pair 1: 0.9 · log(1 + e^0.1) + 0.1 · log(1 + e^-0.1) = 0.9 · 0.7443966600 + 0.1 · 0.6443966600
+    assert losses.tolist() == pytest.approx([0.6181388693, 0.7343966600], abs=1e-7)
+
+
+def test_ipo_loss_by_hand():
+    s = DPOSettings(beta=0.1, loss_type="ipo")
+    losses, chosen, _ = preference_loss(s, PC, PR, RC, RR, torch.tensor([2, 1]), torch.tensor([1, 4]))
+    # per-token log-ratios: pair 0: 1/2 - (-1)/1 = 1.5; pair 1: 0/1 - 1/4 = -0.25; 1/(2β) = 5
+    # (1.5 - 5)² = 12.25, (-0.25 - 5)² = 27.5625
+    assert losses.tolist() == pytest.approx([12.25, 27.5625], abs=1e-6)
+    assert chosen.tolist() == pytest.approx([0.1, 0.0], abs=1e-7)  # rewards stay β · summed log-ratio
+
+
+def test_hinge_loss_by_hand():
+    losses, _, _ = _loss(beta=0.1, loss_type="hinge")
+    assert losses.tolist() == pytest.approx([0.8, 1.1], abs=1e-6)  # max(0, 1 - βh)
+    losses, _, _ = _loss(beta=1.0, loss_type="hinge")
+    assert losses.tolist() == pytest.approx([0.0, 2.0], abs=1e-6)
+
+
+def test_simpo_is_reference_free_and_length_normalised():
+    s = DPOSettings(beta=2.0, loss_type="simpo", simpo_gamma=0.5)
+    assert s.reference_free
+    # chosen -10 over 5 tokens = -2, rejected -12 over 4 tokens = -3: β Δ̄ - γ = 2·1 - 0.5 = 1.5
+    losses, chosen, rejected = preference_loss(s, PC[:1], PR[:1], chosen_len=torch.tensor([5]),
+                                               rejected_len=torch.tensor([4]))
+    assert losses.item() == pytest.approx(math.log(1 + math.exp(-1.5)), abs=1e-7)  # 0.2014132779
+    assert losses.item() == pytest.approx(0.2014132779, abs=1e-7)
+    assert (chosen.item(), rejected.item()) == pytest.approx((-4.0, -6.0))
+    # reference log-probs are ignored
+    again, _, _ = preference_loss(s, PC[:1], PR[:1], RC[:1] + 7, RR[:1], torch.tensor([5]), torch.tensor([4]))
+    assert again.item() == losses.item()
+
+
+def test_gradient_of_sigmoid_loss_matches_the_paper():
+    # ∂L/∂π_c = -β σ(-βh) (Rafailov et al. 2023, eq. 8 with one pair)
+    pc = PC[:1].clone().requires_grad_(True)
+    losses, _, _ = preference_loss(DPOSettings(beta=0.1), pc, PR[:1], RC[:1], RR[:1])
+    losses.sum().backward()
+    assert pc.grad.item() == pytest.approx(-0.1 * torch.sigmoid(torch.tensor(-0.2)).item(), abs=1e-7)
+
+
+def test_bad_settings_and_inputs_raise():
+    with pytest.raises(ValueError, match="--loss_type"):
+        DPOSettings(loss_type="kto")
+    with pytest.raises(ValueError, match="--beta"):
+        DPOSettings(beta=0.0)
+    with pytest.raises(ValueError, match="--label_smoothing"):
+        DPOSettings(label_smoothing=0.5)
+    with pytest.raises(ValueError, match="--label_smoothing applies"):
+        DPOSettings(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="reference"):
+        preference_loss(DPOSettings(), PC, PR)
+    with pytest.raises(ValueError, match="token counts"):
+        preference_loss(DPOSettings(loss_type="simpo"), PC, PR)
+    with pytest.raises(ValueError, match="token counts"):
+        preference_loss(DPOSettings(loss_type="ipo"), PC, PR, RC, RR)
+    with pytest.raises(ValueError, match="disagree"):
+        preference_loss(DPOSettings(), PC, PR, RC[:1], RR)
+
+
+def test_reward_stats_count_ties_as_wrong():
+    s = reward_stats(torch.tensor([1.0, 0.5, 2.0]), torch.tensor([0.0, 0.5, 4.0]))
+    assert s["count"].item() == 3 and s["correct"].item() == 1
+    assert s["margin"].item() == pytest.approx(-1.0)  # 1 + 0 - 2
+
+
+def test_answer_logps_by_hand():
+    # vocab 2, uniform logits except position 1 which predicts token 1 with p = e^1 / (e^1 + 1)
+    logits = torch.zeros(1, 3, 2)
+    logits[0, 1, 1] = 1.0
+    ids = torch.tensor([[0, 1, 1]])
+    mask = torch.tensor([[0, 1, 1]])  # prompt is token 0; answer tokens 1 and 2
+    logps, n = answer_logps(logits, ids, mask)
+    assert n.tolist() == [2]
+    assert logps.item() == pytest.approx(math.log(0.5) + 1.0 - math.log(math.e + 1.0), abs=1e-6)
+
+
+def _pairs():
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for p_len, c_len, r_len in ((3, 4, 2), (7, 1, 5), (1, 6, 6), (5, 3, 9)):
+        prompt = torch.randint(3, 500, (p_len,), generator=g)
+        rows.append({"chosen_input_ids": torch.cat([prompt, torch.randint(3, 500, (c_len,), generator=g)]),
+                     "rejected_input_ids": torch.cat([prompt, torch.randint(3, 500, (r_len,), generator=g)]),
+                     "prompt_len": p_len})
+    return IndexedPairs(rows)
+
+
+def test_collator_answer_mask_follows_prompt_len_on_both_padding_sides():
+    pairs = _pairs()
+    for side in ("left", "right"):
+        b = DPOCollator(pad_token_id=1, padding_side=side)([pairs[0], pairs[1]])
+        assert b["index"].tolist() == [0, 1]
+        assert b["answer_mask"].sum(1).tolist() == [4, 1, 2, 5]  # answer lengths: chosen rows, then rejected
+        assert bool((b["answer_mask"] <= b["attention_mask"]).all())
+        # the first answer token of row 0 follows its 3 prompt tokens
+        first = int(b["attention_mask"][0].argmax()) if side == "left" else 0
+        assert b["answer_mask"][0, first:first + 3].tolist() == [0, 0, 0]
+        assert b["answer_mask"][0, first + 3].item() == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_answer_logps_are_padding_invariant(family, tiny_models):
+    """Batch of 1 vs batch of 4, left and right padding: the same per-sequence log-probs within 1e-5 (fp32)."""
+    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_models[family]))
+    model = load_causal_lm(str(tiny_models[family]), tok, dtype="fp32").eval()
+    pairs = _pairs()
+
+    def logps(items, side):
+        b = DPOCollator(tok.pad_token_id, padding_side=side)(items)
+        with torch.no_grad():
+            logits = causal_lm_logits(model, b["input_ids"], b["attention_mask"])
+        lp, n = answer_logps(logits, b["input_ids"], b["answer_mask"])
+        return split_pairs(lp), split_pairs(n)
+
+    alone = [logps([pairs[i]], "right") for i in range(4)]
+    alone_c = torch.cat([a[0][0] for a in alone])
+    alone_r = torch.cat([a[0][1] for a in alone])
+    assert alone_c.abs().min() > 1.0  # real sums over several tokens of a random model, not zeros
+    for side in ("left", "right"):
+        (c, r), (nc, nr) = logps([pairs[i] for i in range(4)], side)
+        assert nc.tolist() == [4, 1, 6, 3] and nr.tolist() == [2, 5, 6, 9]
+        assert (c - alone_c).abs().max().item() < 1e-5, side
+        assert (r - alone_r).abs().max().item() < 1e-5, side
