@@ -302,8 +302,9 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                          f"has no baseline), got {num_samples_per_prompt}")
     per_generation = per_device_generation_batch_size * num_samples_per_prompt
     if per_generation % per_device_training_batch_size:
-        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size} × "
-                         f"--num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts is not a "
+        times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
+                   if num_samples_per_prompt > 1 else "")
+        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
                          f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
                          "batch must split into whole PPO micro-batches; make the generation batch a multiple of the "
                          "training one")

@@ -48,7 +48,9 @@ def test_sampler_and_training_logprobs_agree_zero3_hybrid(tmp_path, tp):
     rows = step3(tmp_path, arith_task(tmp_path), f"tp{tp}", "--rl_algorithm", "grpo", "--reward_fn", "exact_match",
                  "--enable_hybrid_engine", "--inference_tp_size", str(tp))
     r = rows[0]
-    assert r["rollout/logp_diff_max"] <= 1e-5, r["rollout/logp_diff_max"]
+    # fp32 summation order differs between the cached decode step and the full training forward
+    # (and, at TP 2, the row-parallel all-reduce): measured max 2e-6..8e-6 at TP 1, 8e-6..1.05e-5 at TP 2
+    assert r["rollout/logp_diff_max"] <= (1e-5 if tp == 1 else 2e-5), r["rollout/logp_diff_max"]
     assert 0 <= r["rollout/logp_diff_mean"] <= r["rollout/logp_diff_max"]
     assert "critic_loss" not in r and "critic_lr" not in r and not (tmp_path / f"tp{tp}" / "critic").exists()
     assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["kl"] == 0.0
