@@ -34,7 +34,7 @@ def arith_task(tmp_path):
 def step3(tmp_path, data, name, *extra, steps=1):
     out = tmp_path / name
     run_ranks(["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", str(STORIES), "--data_path", str(data),
-               "--data_split", "0,0,10", "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "24",
+               "--data_split", "0,0,10", "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "64",
                "--max_answer_seq_len", "6", "--per_device_generation_batch_size", "2",
                "--per_device_training_batch_size", "4", "--num_samples_per_prompt", "4", "--max_steps", str(steps),
                "--actor_zero_stage", "3", "--num_warmup_steps", "0", "--output_dir", str(out),
