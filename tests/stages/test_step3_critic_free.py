@@ -76,3 +76,24 @@ def test_http_reward_server_through_step3(tmp_path):
     for r in rows:
         assert r["reward/http"] == r["reward/answer_digits"] and r["reward/answer_digits"] > 1.0
         assert r["reward/score_mean"] == pytest.approx(r["reward/answer_digits"])  # the URL's weight is 0
+
+
+@pytest.mark.slow
+def test_dead_reward_server_fails_every_rank_without_hang(tmp_path):
+    """Nothing listens at the URL: both ranks stop with the error naming the URL and the step."""
+    from chatrl.dist import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/score"
+    out = tmp_path / "dead"
+    proc = run_ranks(["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", str(STORIES), "--data_path",
+                      str(arith_task(tmp_path)), "--data_split", "0,0,10", "--data_output_path", str(tmp_path / "c"),
+                      "--max_prompt_seq_len", "64", "--max_answer_seq_len", "4", "--per_device_generation_batch_size",
+                      "2", "--per_device_training_batch_size", "4", "--num_samples_per_prompt", "2", "--max_steps",
+                      "1", "--rl_algorithm", "grpo", "--reward_url", url, "--reward_http_timeout", "2",
+                      "--reward_http_retries", "0", "--output_dir", str(out), "--disable_progress_bar"],
+                     timeout=300, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank}: reward failed at step 1" in log, log[-3000:]
+    assert url in log
