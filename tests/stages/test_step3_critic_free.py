@@ -90,7 +90,7 @@ def test_dead_reward_server_fails_every_rank_without_hang(tmp_path):
                       "--max_prompt_seq_len", "64", "--max_answer_seq_len", "4", "--per_device_generation_batch_size",
                       "2", "--per_device_training_batch_size", "4", "--num_samples_per_prompt", "2", "--max_steps",
                       "1", "--rl_algorithm", "grpo", "--reward_url", url, "--reward_http_timeout", "2",
-                      "--reward_http_retries", "0", "--output_dir", str(out), "--disable_progress_bar"],
+                      "--reward_http_retries", "0", "--num_warmup_steps", "0", "--output_dir", str(out), "--disable_progress_bar"],
                      timeout=300, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
