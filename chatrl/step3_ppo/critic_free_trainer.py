@@ -193,7 +193,7 @@ class CriticFreeTrainer(PPOTrainer):
                 self.actor.backward(loss * scale)
                 self.actor.step()
                 self._after_actor_step()
-                loss_sum += float(loss)
+                loss_sum += float(loss.detach())
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 n += 1
