@@ -5,6 +5,10 @@ loop (make experience → PPO epochs on it → log), then the HF-format saves of
 ``critic/`` and (``--enable_ema``) ``actor_ema/`` under ``--output_dir``. The maths lives in
 :mod:`chatrl.step3_ppo.core`; ``docs/ppo.md`` lists the implementation details and metrics.
 
+``--rl_algorithm grpo|rloo|reinforce_pp`` trains critic-free instead (no critic engine, no reward
+model when ``--reward_fn``/``--reward_url`` give the reward): the loop's other branch, driven by
+:class:`chatrl.step3_ppo.critic_free_trainer.CriticFreeTrainer`; see ``docs/critic_free.md``.
+
 Run ``python -m chatrl.step3_ppo --help`` for the flags (DeepSpeed-Chat's names).
 """
 
