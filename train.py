@@ -178,6 +178,14 @@ class PipelineConfig:
     step2_method: str = setting("reward", "reward: step 2 trains a reward model for step 3's PPO; dpo: step 2 is "
                                           "direct preference optimisation of the step-1 actor (python -m "
                                           "chatrl.step2_dpo), and no step 3 runs", choices=("reward", "dpo"))
+    rl_algorithm: str = setting("ppo", "step 3's algorithm: ppo, or critic-free grpo, rloo, reinforce_pp (no critic; "
+                                       "step 2 is skipped when no reward model is needed)",
+                                choices=("ppo", "grpo", "rloo", "reinforce_pp"))
+    reward_fn: list = setting([], "step 3's reward functions ([WEIGHT*]module:function or exact_match, "
+                                  "regex_format): with a critic-free algorithm no reward model is trained",
+                              nargs="+", type=str)
+    reward_url: list = setting([], "step 3's reward servers ([WEIGHT*]http://host:port/path)", nargs="+", type=str)
+    num_samples_per_prompt: int = setting(4, "answers per prompt of a critic-free step 3 (its group)")
 
 
 def dpo_plan(out: Path, flags: dict, dirs: dict, models: dict, steps: list[int]) -> list[int]:
@@ -197,6 +205,32 @@ def dpo_plan(out: Path, flags: dict, dirs: dict, models: dict, steps: list[int])
     dirs[2] = out / "step2_dpo"
     models[2] = ["--model_name_or_path", str(dirs[1])]
     return [s for s in steps if s != 3]
+
+
+def plan_pipeline(a) -> tuple[list[int], list[str], str | None]:
+    """The steps to run, step 3's algorithm and reward flags, and why step 2 is skipped (or ``None``).
+
+    Step 2 (the reward model) is skipped when step 3 needs neither a critic nor a reward model:
+    a critic-free ``--rl-algorithm`` with its reward from ``--reward-fn``/``--reward-url`` only.
+
+    Raises:
+        SystemExit: ppo with ``--reward-fn``/``--reward-url`` (ppo's reward is the reward model).
+    """
+    rules = list(a.reward_fn) or list(a.reward_url)
+    if a.rl_algorithm == "ppo":
+        if rules:
+            raise SystemExit("train.py: --reward-fn/--reward-url need a critic-free --rl-algorithm (grpo, rloo, "
+                             "reinforce_pp); ppo's reward is step 2's reward model")
+        return sorted(set(a.step)), [], None
+    flags = ["--rl_algorithm", a.rl_algorithm, "--num_samples_per_prompt", str(a.num_samples_per_prompt)]
+    flags += (["--reward_fn", *a.reward_fn] if a.reward_fn else []) + (["--reward_url", *a.reward_url]
+                                                                        if a.reward_url else [])
+    steps = sorted(set(a.step))
+    if rules:
+        return ([s for s in steps if s != 2], flags,
+                f"step 2 (reward model) skipped: {a.rl_algorithm} has no critic and its reward comes from "
+                f"{' '.join([*a.reward_fn, *a.reward_url])}")
+    return steps, flags, None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,9 +363,11 @@ def main(argv: list[str] | None = None) -> None:
         actor, reward, flags = demo_plan(out)
         a.deployment_type = "cpu"
     else:
-        if not a.actor_model or not (a.reward_model or a.step2_method == "dpo"):
+        steps, _, skip2 = plan_pipeline(a)
+        if not a.actor_model or not (a.reward_model or skip2 or a.step2_method == "dpo"):
             raise SystemExit("train.py: pass --actor-model and --reward-model (or --preset demo)")
-        actor, reward = resolve_model(a.actor_model), resolve_model(a.reward_model or a.actor_model)
+        actor = resolve_model(a.actor_model)
+        reward = resolve_model(a.reward_model) if a.reward_model else actor
         flags = size_preset(size_in_billions(actor), size_in_billions(reward), a.deployment_type,
                             a.actor_zero_stage, a.reward_zero_stage)
         data = a.data_path or DEFAULT_DATA
@@ -347,14 +383,18 @@ def main(argv: list[str] | None = None) -> None:
     cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
     nodes = (multinode.read_hostfile(a.hostfile), a.node_rank) if a.deployment_type == "multi_node" else None
     dirs = {1: out / "step1_actor", 2: out / "step2_reward", 3: out / "step3_rlhf"}
+    steps, rl_flags, skip2 = plan_pipeline(a)
     models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],
-              3: ["--actor_model_name_or_path", str(dirs[1]), "--critic_model_name_or_path", str(dirs[2])]}
-    steps = sorted(set(a.step))
+              3: ["--actor_model_name_or_path", str(dirs[1]), *([] if skip2 else ["--critic_model_name_or_path",
+                                                                                  str(dirs[2])]), *rl_flags]}
+    print(f"train.py: steps {steps} → {out} ({a.deployment_type}; actor {actor}; "
+          f"{'reward ' + reward if not skip2 else 'step 3 ' + a.rl_algorithm})", flush=True)
+    if skip2:
+        print(skip2, flush=True)
     modules, names = dict(STEP_MODULES), dict(STEP_NAMES)
     if a.step2_method == "dpo":
         steps = dpo_plan(out, flags, dirs, models, steps)
         modules[2], names[2] = "chatrl.step2_dpo", "direct preference optimisation"
-    print(f"train.py: steps {steps} → {out} ({a.deployment_type}; actor {actor}; reward {reward})", flush=True)
     times = {}
     for s in steps:
         if (dirs[s] / RUN_MARKER).exists() and not a.overwrite:
@@ -362,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
                   "(--overwrite to redo)", flush=True)
             continue
         if s == 3:
-            for need in (1, 2):
+            for need in ((1,) if skip2 else (1, 2)):
                 if not (dirs[need] / "config.json").exists():
                     raise SystemExit(f"step 3 needs step {need}'s output in {dirs[need]}; run --step {need} first")
         extra = shlex.split(getattr(a, f"step{s}_args"))

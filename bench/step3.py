@@ -23,6 +23,11 @@ gives per mode the median (and range) of rollouts/s inside the loop, launch-to-e
 phase split and the peak resident memory of each rank (``VmHWM``, polled), and ratios against TRL.
 
     .venv/bin/python bench/step3.py --side_by_side --repeats 3 --trl_python /tmp/trl_cpu/venv/bin/python
+With ``--algorithms ppo grpo rloo reinforce_pp`` it instead runs each algorithm on the same set-up
+(hybrid engine on, the same rollouts per rank: ``--batch`` prompts × 1 answer for ppo,
+``--batch / --samples`` prompts × ``--samples`` answers for the critic-free ones, the same reward
+model) and reports samples/s and the peak resident memory per rank of each, with ratios against
+ppo: the difference is the critic (its forward, its training step, its weights and optimizer).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
 KEYS = ["samples_per_s", "time/generate", "time/experience", "time/train", "time/gather", "time/shard",
-        "time/release", "answer_len"]
+        "time/release", "answer_len", "memory/rss_train_max_mb"]
 
 
 def make_models(work: Path, a) -> tuple[str, str]:
@@ -63,14 +68,19 @@ def make_models(work: Path, a) -> tuple[str, str]:
     return actor, str(work / "critic")
 
 
-def run_mode(hybrid: bool, actor: str, critic: str, work: Path, a) -> dict:
+def run_mode(hybrid: bool, actor: str, critic: str, work: Path, a, algorithm: str = "ppo") -> dict:
     from tests.launch import run_ranks
 
-    out = work / ("hybrid_on" if hybrid else "hybrid_off")
-    run_ranks(["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
+    out = work / (f"{algorithm}_" + ("hybrid_on" if hybrid else "hybrid_off"))
+    n = 1 if algorithm == "ppo" else a.samples
+    algo = [] if algorithm == "ppo" else ["--rl_algorithm", algorithm, "--num_samples_per_prompt", str(n),
+                                          "--reward_model_name_or_path", critic]
+    models = ["--critic_model_name_or_path", critic] if algorithm == "ppo" else []
+    run_ranks(["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", actor, *models, *algo,
                "--data_path", str(SHARED / "data/hh-rlhf/helpful-base"), "--data_output_path", str(work / "cache"),
                "--max_prompt_seq_len", str(a.prompt), "--max_answer_seq_len", str(a.answer),
-               "--per_device_generation_batch_size", str(a.batch), "--per_device_training_batch_size", str(a.batch),
+               "--per_device_generation_batch_size", str(a.batch // n),
+               "--per_device_training_batch_size", str(a.batch),
                "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--max_steps", str(a.steps),
                "--num_warmup_steps", "0", "--output_dir", str(out), "--disable_progress_bar",
                *(["--enable_hybrid_engine"] if hybrid else [])], nprocs=2, timeout=3600)
@@ -244,6 +254,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--trl_python", default=None, help="python of the TRL 1.12 venv (adds TRL's PPOTrainer)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
+    p.add_argument("--algorithms", nargs="+", default=None, choices=["ppo", "grpo", "rloo", "reinforce_pp"],
+                   help="compare these step-3 algorithms (hybrid engine on) instead of hybrid on/off")
+    p.add_argument("--samples", type=int, default=4, help="answers per prompt of the critic-free algorithms")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -256,6 +269,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         actor, critic = make_models(work, a)
+        if a.algorithms:
+            res = {alg: run_mode(True, actor, critic, work, a, alg) for alg in a.algorithms}
+            base = res.get("ppo")
+            for r in res.values():
+                if base is not None:
+                    r["samples_per_s_vs_ppo"] = r["samples_per_s"] / base["samples_per_s"]
+                    r["peak_rss_vs_ppo"] = r["memory/rss_train_max_mb"] / base["memory/rss_train_max_mb"]
+            print(json.dumps({"bench": "step3_algorithms", "actor": a.actor or f"tiny-opt-h{a.hidden}-l{a.layers}",
+                              "ranks": 2, "zero_stage": 3, "rollouts_per_rank": a.batch, "samples_per_prompt":
+                              a.samples, "prompt": a.prompt, "answer": a.answer, "algorithms": res}, indent=2))
+            return
         off = run_mode(False, actor, critic, work, a)
         on = run_mode(True, actor, critic, work, a)
     on["ratio_vs_hybrid_off"] = on["samples_per_s"] / off["samples_per_s"]

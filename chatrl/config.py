@@ -191,6 +191,38 @@ class PPOConfig:
     unsup_coef: float = setting(27.8, "PTX loss coefficient (with --unsupervised_dataset_name)")
     enable_ema: bool = setting(False, "keep an exponential moving average of the actor (saved as actor_ema/)")
     ema_beta: float = setting(0.992, "EMA decay per actor optimizer step")
+    rl_algorithm: str = setting("ppo", "ppo (actor-critic, GAE) or a critic-free algorithm: grpo (group-relative), "
+                                       "rloo (leave-one-out baseline), reinforce_pp (REINFORCE++, globally whitened); "
+                                       "see docs/critic_free.md", choices=("ppo", "grpo", "rloo", "reinforce_pp"))
+    num_samples_per_prompt: int = setting(1, "answers sampled per prompt, one group (grpo and rloo need >= 2)",
+                                          unit="answers")
+    kl_in: str = setting("reward", "critic-free: where the KL to the reference goes, with coefficient "
+                                   "--init_kl_coef: reward (k1 per-token penalty) or loss (k3 loss term)",
+                         choices=("reward", "loss"))
+    loss_agg_mode: str = setting("token-mean", "critic-free: how the policy loss is averaged over the optimizer "
+                                               "step (global counts: invariant to micro-batches and ranks)",
+                                 choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    cliprange_low: float | None = setting(None, "critic-free: lower ratio clip epsilon (unset: --cliprange)",
+                                          type=float)
+    cliprange_high: float | None = setting(None, "critic-free: upper ratio clip epsilon (unset: --cliprange_low; "
+                                                 "larger: DAPO's clip-higher)", type=float)
+    rollout_is_cap: float = setting(0.0, "critic-free: truncated importance-sampling correction of the gap between "
+                                         "sampler and training log-probs, weights capped at this (0: off)")
+    grpo_no_std_scaling: bool = setting(False, "grpo: do not divide by the group's reward std (Dr. GRPO)")
+
+
+@dataclass
+class RewardConfig:
+    """Step 3's reward: the reward model, Python functions, HTTP servers, summed with weights (docs/rewards.md)."""
+
+    reward_fn: list = setting([], "reward functions, each [WEIGHT*]module:function, file.py:function or a built-in "
+                                  "(exact_match, regex_format); no reward model is loaded when only functions or "
+                                  "URLs are given", nargs="+", type=str)
+    reward_url: list = setting([], "reward servers, each [WEIGHT*]http://host:port/path "
+                                   "(python -m chatrl.reward_server)", nargs="+", type=str)
+    reward_http_timeout: float = setting(60.0, "timeout of one reward request", unit="s")
+    reward_http_retries: int = setting(2, "retries of a failed reward request")
+    reward_http_batch_size: int = setting(256, "answers per reward request", unit="answers")
 
 
 @dataclass
@@ -258,11 +290,12 @@ def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = 
     for f, name in _flag_names(block, prefixes, only, exclude):
         m = f.metadata
         default = f.default_factory() if f.default is MISSING else f.default
+        overridden = name in defaults  # a program's default makes a required field optional there
         default = defaults.pop(name, default)
         who = name[:-len(f.name)].rstrip("_")
         help_text = m["help"] + (f" [{who}]" if who else "") + (f" ({m['unit']})" if m.get("unit") else "")
         kwargs: dict = {"dest": name, "help": help_text}
-        if m.get("required"):
+        if m.get("required") and not overridden:
             kwargs["required"] = True
         else:
             kwargs["default"] = default

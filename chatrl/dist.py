@@ -296,7 +296,7 @@ class PPOPlan:
     rollouts_per_buffer: int  # all ranks
     micro_batches_per_generation: int
     micro_batches_per_buffer: int  # PPO micro-batches per buffer, PPO epochs included
-    critic_steps: int  # optimizer steps of the critic over the run
+    critic_steps: int  # optimizer steps of the critic over the run (0: critic-free)
     actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
     num_warmup_steps: int
 
@@ -304,8 +304,15 @@ class PPOPlan:
 def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
              per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
              gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: int,
-             ptx: bool) -> PPOPlan:
+             ptx: bool, rl_algorithm: str = "ppo", num_samples_per_prompt: int = 1) -> PPOPlan:
     """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
+
+    Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
+    one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts.
+    A critic-free ``rl_algorithm`` (grpo, rloo, reinforce_pp) learns from the whole buffer at once:
+    its optimizer steps must not straddle PPO epochs (their loss normaliser is counted per step
+    before the first backward pass, ``critic_free.step_normalizers``), it makes no critic step,
+    and grpo/rloo need ``N >= 2``.
 
     The PTX loss (``--unsupervised_dataset_name``) adds one actor micro-step after every PPO
     micro-batch, so the actor makes twice the critic's optimizer steps; its learning-rate schedule
@@ -323,12 +330,29 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                     ("num_train_epochs", num_train_epochs)):
         if v < 1:
             raise ValueError(f"--{flag} must be >= 1, got {v}")
-    if per_device_generation_batch_size % per_device_training_batch_size:
-        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size} is not a multiple of "
-                         f"--per_device_training_batch_size {per_device_training_batch_size}: each rollout batch must "
-                         "split into whole PPO micro-batches; make the generation batch a multiple of the training one")
-    micro_per_gen = per_device_generation_batch_size // per_device_training_batch_size
+    critic_free = rl_algorithm != "ppo"
+    if rl_algorithm not in ("ppo", "grpo", "rloo", "reinforce_pp"):
+        raise ValueError(f"--rl_algorithm {rl_algorithm!r}: choose ppo, grpo, rloo or reinforce_pp")
+    if num_samples_per_prompt < 1:
+        raise ValueError(f"--num_samples_per_prompt must be >= 1, got {num_samples_per_prompt}")
+    if rl_algorithm in ("grpo", "rloo") and num_samples_per_prompt < 2:
+        raise ValueError(f"--rl_algorithm {rl_algorithm} needs --num_samples_per_prompt >= 2 (a group of one answer "
+                         f"has no baseline), got {num_samples_per_prompt}")
+    per_generation = per_device_generation_batch_size * num_samples_per_prompt
+    if per_generation % per_device_training_batch_size:
+        times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
+                   if num_samples_per_prompt > 1 else "")
+        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
+                         f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
+                         "batch must split into whole PPO micro-batches; make the generation batch a multiple of the "
+                         "training one")
+    micro_per_gen = per_generation // per_device_training_batch_size
     micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
+    if critic_free and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
+        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
+                         f"{generation_batches * micro_per_gen} micro-batches of one pass over a {rl_algorithm} buffer "
+                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
+                         "batch): an optimizer step would straddle two passes; choose a divisor")
     if micro_per_buffer % gradient_accumulation_steps:
         raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
                          f"{micro_per_buffer} PPO micro-batches of an experience buffer (--generation_batches "
@@ -342,10 +366,11 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     total = buffers_per_epoch * num_train_epochs
     if max_steps:
         total = min(total, max_steps)
-    critic_steps = total * micro_per_buffer // gradient_accumulation_steps
-    actor_steps = critic_steps * (2 if ptx else 1)
-    _check_warmup(num_warmup_steps, critic_steps, "critic optimizer steps")
-    return PPOPlan(buffers_per_epoch, total, generation_batches * per_device_generation_batch_size * world_size,
+    policy_steps = total * micro_per_buffer // gradient_accumulation_steps
+    actor_steps = policy_steps * (2 if ptx else 1)
+    critic_steps = 0 if critic_free else policy_steps
+    _check_warmup(num_warmup_steps, policy_steps, "actor optimizer steps" if critic_free else "critic optimizer steps")
+    return PPOPlan(buffers_per_epoch, total, generation_batches * per_generation * world_size,
                    micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps)
 
 

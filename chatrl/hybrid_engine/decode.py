@@ -201,7 +201,7 @@ def _own_logits(head_out: torch.Tensor, batch: GroupBatch, group: TPGroup) -> to
 
 @torch.no_grad()
 def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
-           generator: torch.Generator | None = None, keep_logits: bool = False):
+           generator: torch.Generator | None = None, keep_logits: bool = False, keep_logprobs: bool = False):
     """Generate for the group's batch; return this rank's rows.
 
     Args:
@@ -209,10 +209,14 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         batch: the group's left-padded prompts (:func:`gather_prompts`).
         s: generation settings. generator: RNG for sampling (global RNG when ``None``).
         keep_logits: also return the raw per-step logits of this rank's rows.
+        keep_logprobs: also return the sampler's log-prob of every sampled token,
+            ``log_softmax`` of the raw fp32 logits (before temperature, top-k, top-p: the
+            distribution the training forward scores), for ``rollout/logp_diff``.
 
     Returns:
         ``(tokens, logits)``: ``tokens`` ``(rows, max_new_tokens)`` with ``pad_token_id`` after EOS
-        and after the group stopped; ``logits`` ``(rows, steps, vocab)`` fp32, or ``None``.
+        and after the group stopped; ``logits`` ``(rows, steps, vocab)`` fp32, or ``None``. With
+        ``keep_logprobs``, a third item ``(rows, max_new_tokens)`` fp32 (0 after the stop).
     """
     ids, mask = batch.input_ids, batch.attention_mask
     n_rows, width = ids.shape
@@ -224,6 +228,7 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
     eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=device)
     out = ids.new_full((batch.rows, s.max_new_tokens), s.pad_token_id)
     kept = []
+    logprobs = torch.zeros(batch.rows, s.max_new_tokens, dtype=torch.float32, device=device) if keep_logprobs else None
     finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
     body_in = dict(input_ids=ids, position_ids=position)
     for step in range(s.max_new_tokens):
@@ -234,6 +239,8 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
             kept.append(logits)
         tokens = pick_tokens(process_logits(logits, s, step), s, generator)
         tokens = torch.where(finished[own], torch.full_like(tokens, s.pad_token_id), tokens)
+        if logprobs is not None:
+            logprobs[:, step] = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         done = finished[own] | (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(finished[own]))
         out[:, step] = tokens
         all_tokens, finished = _share(tokens, done, batch, group)
@@ -242,7 +249,7 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         position = position[:, -1:] + 1
         body_in = dict(input_ids=all_tokens[:, None], position_ids=position)
     logits = torch.stack(kept, dim=1) if keep_logits else None
-    return out, logits
+    return (out, logits, logprobs) if keep_logprobs else (out, logits)
 
 
 def _share(tokens, done, batch: GroupBatch, group: TPGroup):

@@ -277,7 +277,8 @@ class HybridEngine:
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id=None, pad_token_id=None, min_new_tokens: int = 0,
-                 generator: torch.Generator | None = None, output_logits: bool = False):
+                 generator: torch.Generator | None = None, output_logits: bool = False,
+                 output_logprobs: bool = False):
         """Generate continuations of left-padded prompts.
 
         Args:
@@ -290,11 +291,15 @@ class HybridEngine:
             pad_token_id: filler after EOS; ``None`` takes the model's.
             generator: RNG for sampling on the engine path (the global RNG when ``None``).
             output_logits: also return the raw logits of every decoding step.
+            output_logprobs: also return the sampler's log-prob of each sampled token, from the raw
+                fp32 logits (before temperature/top-k/top-p), ``(B, max_new_tokens)``, 0 after
+                generation stopped (step 3's ``rollout/logp_diff``).
 
         Returns:
             ``(B, P + max_new_tokens)`` token ids: the prompts, then the new tokens, right-padded with
             ``pad_token_id`` after EOS or after generation stopped. With ``output_logits``, a pair
-            ``(sequences, logits)`` with ``logits`` ``(B, steps, vocab)`` fp32.
+            ``(sequences, logits)`` with ``logits`` ``(B, steps, vocab)`` fp32. With
+            ``output_logprobs`` (and not ``output_logits``), ``(sequences, logprobs)``.
 
         Raises:
             ValueError: bad ``max_new_tokens``, sampling settings or shapes.
@@ -308,16 +313,27 @@ class HybridEngine:
         attention_mask = attention_mask.to(self.device)
         if not self.enabled:
             with self._placement():
-                return self._plain_generate(input_ids, attention_mask, s, output_logits)
+                out = self._plain_generate(input_ids, attention_mask, s, output_logits or output_logprobs)
+            if not output_logprobs:
+                return out
+            sequences, logits = out
+            steps = logits.shape[1]
+            new = sequences[:, input_ids.shape[1]:input_ids.shape[1] + steps]
+            logprobs = torch.zeros(new.shape[0], s.max_new_tokens, dtype=torch.float32, device=new.device)
+            logprobs[:, :steps] = torch.log_softmax(logits, dim=-1).gather(2, new[..., None]).squeeze(2)
+            return sequences, logprobs
         if not self._in_inference or self._is_stale():
             self.enter_inference()
         model = self.hf if self._direct else self._copy.model
         t0 = time.perf_counter()
         with self._placement(), native_linear(), torch.inference_mode():
             batch = gather_prompts(input_ids, attention_mask, self._group, s.pad_token_id, s.max_new_tokens)
-            tokens, logits = decode(model, batch, s, self._group, generator=generator, keep_logits=output_logits)
+            tokens, logits, *logprobs = decode(model, batch, s, self._group, generator=generator,
+                                               keep_logits=output_logits, keep_logprobs=output_logprobs)
         sequences = torch.cat([input_ids, tokens], dim=1)
         self.timings["generate"] = time.perf_counter() - t0
+        if output_logprobs:
+            return sequences, logprobs[0]
         return (sequences, logits) if output_logits else sequences
 
     def _plain_generate(self, input_ids, attention_mask, s: GenerationSettings, output_logits: bool):

@@ -51,16 +51,20 @@ def _scheduler_and_optimizer(model, lr: float, weight_decay: float, lora_lr: flo
     return opt, get_scheduler(scheduler_type, opt, num_warmup_steps=warmup, num_training_steps=max(total, 1))
 
 
-def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | None = None) -> RLHFEngines:
+def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | None = None, *,
+                  with_critic: bool = True, with_reward_model: bool = True) -> RLHFEngines:
     """Load and wrap the four (five) models.
 
     ``actor_steps``, ``critic_steps`` (default: the actor's): optimizer steps of each trained model
     over the run (:class:`chatrl.dist.PPOPlan`), the horizon of its learning-rate schedule.
+    ``with_critic=False`` (a critic-free algorithm) builds no critic and no critic optimizer;
+    ``with_reward_model=False`` (rewards from functions or URLs only) loads no reward model; the
+    missing engines are ``None``.
     """
     critic_steps = actor_steps if critic_steps is None else critic_steps
     from chatrl import dist
     from chatrl.models import LoraSettings, apply_lora, enable_gradient_checkpointing, load_causal_lm
-    from chatrl.step2_reward.model import load_reward_model, with_lora
+    from chatrl.step2_reward.model import load_reward_model
 
     batch = dist.BatchSizes(args.per_device_training_batch_size, args.gradient_accumulation_steps, info.world_size)
 
@@ -89,6 +93,24 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
                                                                       args.actor_zero_stage == 3 else 0,
                                                                       False, args.dtype, inference=True))
 
+    critic_engine = reward_engine = None
+    if with_critic:
+        critic_engine = _critic_engine(args, tokenizer, batch, critic_steps)
+    if with_reward_model:
+        reward = load_reward_model(args.reward_model_name_or_path or args.critic_model_name_or_path, tokenizer,
+                                   args.dtype, require_head=True, dropout=0.0, trust_remote_code=args.trust_remote_code)
+        reward_stage = 3 if args.critic_zero_stage == 3 else 0
+        reward_engine = dist.initialize(reward, dist.deepspeed_config(
+            batch, reward_stage, args.offload_reward_model and reward_stage == 3, args.dtype, inference=True))
+    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, actor_steps, critic_steps)
+
+
+def _critic_engine(args, tokenizer, batch, critic_steps: int):
+    """The critic (step-2 reward model, value head included) with its optimizer, as a DeepSpeed engine."""
+    from chatrl import dist
+    from chatrl.models import LoraSettings, enable_gradient_checkpointing
+    from chatrl.step2_reward.model import load_reward_model, with_lora
+
     critic = load_reward_model(args.critic_model_name_or_path, tokenizer, args.dtype, require_head=True,
                                dropout=args.critic_dropout, trust_remote_code=args.trust_remote_code)
     critic = with_lora(critic, LoraSettings(args.critic_lora_dim, args.critic_lora_module_name,
@@ -98,15 +120,8 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
     opt, sched = _scheduler_and_optimizer(critic, args.critic_learning_rate, args.critic_weight_decay,
                                           args.critic_lora_learning_rate if args.critic_lora_dim else None,
                                           args.offload, args.lr_scheduler_type, args.num_warmup_steps, critic_steps)
-    critic_engine = dist.initialize(critic, dist.deepspeed_config(batch, args.critic_zero_stage, args.offload,
-                                                                  args.dtype, args.gradient_clipping), opt, sched)
-
-    reward = load_reward_model(args.reward_model_name_or_path or args.critic_model_name_or_path, tokenizer, args.dtype,
-                               require_head=True, dropout=0.0, trust_remote_code=args.trust_remote_code)
-    reward_stage = 3 if args.critic_zero_stage == 3 else 0
-    reward_engine = dist.initialize(reward, dist.deepspeed_config(
-        batch, reward_stage, args.offload_reward_model and reward_stage == 3, args.dtype, inference=True))
-    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, actor_steps, critic_steps)
+    return dist.initialize(critic, dist.deepspeed_config(batch, args.critic_zero_stage, args.offload, args.dtype,
+                                                         args.gradient_clipping), opt, sched)
 
 
 def seed_rollouts(seed: int, rank: int) -> int:
