@@ -114,11 +114,8 @@ class CriticFreeTrainer(PPOTrainer):
         meta = [dict(m) for m in (metadata or [{}] * len(prompt_ids)) for _ in range(self.n)]
         seq, sampler_logp = self.generate(ids, mask)
         P = ids.shape[1]
+        seq, full_mask, action_mask = self.mask_answers(ids, mask, seq)
         answer = seq[:, P:]
-        action_mask = core.action_mask_from_tokens(answer, self.eos).to(mask.dtype)
-        answer = answer.masked_fill(action_mask == 0, self.pad)
-        seq = torch.cat([ids, answer], dim=1)
-        full_mask = torch.cat([mask, action_mask], dim=1)
         sampler_logp = (sampler_logp[:, :answer.shape[1]].float() * action_mask).to(seq.device)
         batch = reward_batch_from_tokens(self.tokenizer, seq, full_mask, action_mask, P, meta, step)
         got: dict = {}

@@ -108,6 +108,15 @@ class PPOTrainer:
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
 
+    def mask_answers(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor):
+        """Detail 3: the action mask ``(B, A)`` of generated ``seq`` ``(B, P + A)`` covers the answer up
+        to and including its first stop token; later tokens become pad. Returns ``(seq, mask, action_mask)``
+        with ``mask`` ``(B, P + A)`` the prompt's mask followed by the action mask."""
+        answer = seq[:, prompt_ids.shape[1]:]
+        action_mask = core.action_mask_from_tokens(answer, self.eos).to(prompt_mask.dtype)
+        answer = answer.masked_fill(action_mask == 0, self.pad)
+        return (torch.cat([prompt_ids, answer], dim=1), torch.cat([prompt_mask, action_mask], dim=1), action_mask)
+
     @torch.no_grad()
     def make_experience(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[Experience, dict]:
         """Generate answers to left-padded prompts ``(B, P)`` and score them. Returns the experience and timings."""
@@ -115,11 +124,7 @@ class PPOTrainer:
         seq = self.generate(prompt_ids, prompt_mask)
         t_gen = time.time() - t0
         P = prompt_ids.shape[1]
-        answer = seq[:, P:]
-        action_mask = core.action_mask_from_tokens(answer, self.eos).to(prompt_mask.dtype)
-        answer = answer.masked_fill(action_mask == 0, self.pad)
-        seq = torch.cat([prompt_ids, answer], dim=1)
-        mask = torch.cat([prompt_mask, action_mask], dim=1)
+        seq, mask, action_mask = self.mask_answers(prompt_ids, prompt_mask, seq)
 
         parts = {k: [] for k in ("logp", "ref_logp", "values", "entropy")}
         for i in range(0, seq.shape[0], self.mb):
