@@ -18,8 +18,8 @@ def main():
     seen = []
     make_generate = step3.make_generate
 
-    def recording(actor_engine, args, tokenizer):
-        hybrid, generate = make_generate(actor_engine, args, tokenizer)
+    def recording(actor_engine, args, tokenizer, **kwargs):
+        hybrid, generate = make_generate(actor_engine, args, tokenizer, **kwargs)
 
         def gen(ids, mask):
             out = generate(ids, mask)
