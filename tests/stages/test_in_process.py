@@ -22,6 +22,23 @@ def _rows(out):
     return [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_group_left_behind():
+    """The mains here start a one-rank process group in this (pytest's) process and put RANK,
+    MASTER_PORT, ... in its environment; afterwards both go, so that the programs later tests start
+    as subprocesses neither inherit the port nor find it taken."""
+    import os
+
+    import torch
+
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, tiny_llama):
     """Steps 1 and 2 in process on the tiny Llama: a step-1 actor and a step-2 reward model folder."""

@@ -20,7 +20,7 @@ from chatrl.dist import free_port
 from tests.conftest import DATA, REPO
 
 DATA_PATH = str(DATA / "hh-rlhf" / "helpful-base[0:300]")
-COMMON = "--dtype fp32 --data_split 2,4,4 --disable_progress_bar"
+COMMON = "--dtype fp32 --data_split 2,4,4 --num_warmup_steps 0 --disable_progress_bar"
 STEP_ARGS = {
     1: "--max_steps 3 --max_seq_len 128 --eval_iters 1",
     2: "--max_steps 3 --max_seq_len 128 --eval_iters 1",
