@@ -29,7 +29,7 @@ STEP_ARGS = {
 # per step: the metrics log and the values that must match
 LOSSES = {"step1_actor": ["train/loss"], "step2_reward": ["train/loss", "train/accuracy"],
           "step3_rlhf": ["actor_loss", "critic_loss", "reward/score_mean", "kl"]}
-TIMINGS = ("time/", "elapsed", "samples_per_s")  # wall-clock figures in the run markers differ, of course
+TIMINGS = ("time/", "elapsed", "samples_per_s", "memory/")  # wall-clock and memory figures differ, of course
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
