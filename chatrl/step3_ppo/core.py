@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "action_mask_from_tokens",
+    "has_stop_token",
     "logprobs_from_logits",
     "entropy_from_logits",
     "logprobs_and_entropy",
@@ -83,6 +84,14 @@ def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- masks
+
+
+def has_stop_token(answer_ids: torch.Tensor, action_mask: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """``(B,)`` bool: the answer holds a stop token (``eos_token_id``, one id or several) under a
+    non-zero of ``action_mask``. ``answer_ids`` and ``action_mask`` are ``(B, A)``; padding after the
+    answer never counts (masks come from the action mask, not from pad ids)."""
+    eos = torch.as_tensor(eos_token_id, device=answer_ids.device)
+    return (torch.isin(answer_ids, eos) & (action_mask > 0)).any(dim=1)
 
 
 def action_mask_from_tokens(

@@ -127,7 +127,7 @@ class CriticFreeTrainer(PPOTrainer):
         scores = score_on_all_ranks(score, rank=self.rank, world_size=self.world, all_reduce_sum=self.all_reduce_sum,
                                     step=step, device=seq.device).to(seq.device).float()
         if self.s.penalty_no_eos:
-            has_eos = (torch.isin(answer, torch.as_tensor(self.eos, device=answer.device)) & (action_mask > 0)).any(dim=1)
+            has_eos = core.has_stop_token(answer, action_mask, self.eos)
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
         return {"sequences": seq, "attention_mask": full_mask, "prompt_len": P, "action_mask": action_mask,
                 "sampler_logp": sampler_logp, "scores": scores, "metadata": meta,

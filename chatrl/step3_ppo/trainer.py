@@ -146,9 +146,7 @@ class PPOTrainer:
         """The reward of each rollout ``(B,)``: ``score_fn`` minus ``penalty_no_eos`` for answers without EOS."""
         scores = self.score_fn(sequences, attention_mask, prompt_len).float()
         if self.s.penalty_no_eos:
-            answer = sequences[:, prompt_len:]
-            has_eos = (torch.isin(answer, torch.as_tensor(self.eos, device=answer.device))
-                       & (attention_mask[:, prompt_len:] > 0)).any(dim=1)
+            has_eos = core.has_stop_token(sequences[:, prompt_len:], attention_mask[:, prompt_len:], self.eos)
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
         return scores
 
@@ -241,7 +239,6 @@ def summarize(exp: Experience, kl_coef: float, eos_token_id: int | list[int]) ->
         "entropy": core.masked_mean(exp.entropy, m),
         "explained_variance": core.explained_variance(exp.values, exp.returns, m),
         "answer_len": m.sum(dim=1).float().mean(),
-        "eos_rate": (torch.isin(answer, torch.as_tensor(eos_token_id, device=answer.device)) & (m > 0))
-        .any(dim=1).float().mean(),
+        "eos_rate": core.has_stop_token(answer, m, eos_token_id).float().mean(),
         "kl_coef": torch.tensor(float(kl_coef)),
     }
