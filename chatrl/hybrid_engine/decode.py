@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from chatrl.step3_ppo.core import logprobs_from_logits
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -210,8 +212,9 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         s: generation settings. generator: RNG for sampling (global RNG when ``None``).
         keep_logits: also return the raw per-step logits of this rank's rows.
         keep_logprobs: also return the sampler's log-prob of every sampled token,
-            ``log_softmax`` of the raw fp32 logits (before temperature, top-k, top-p: the
-            distribution the training forward scores), for ``rollout/logp_diff``.
+            log-softmax of the raw fp32 logits (before temperature, top-k, top-p: the
+            distribution the training forward scores) by the training forward's formula
+            (:func:`chatrl.step3_ppo.core.logprobs_from_logits`), for ``rollout/logp_diff``.
 
     Returns:
         ``(tokens, logits)``: ``tokens`` ``(rows, max_new_tokens)`` with ``pad_token_id`` after EOS
@@ -240,7 +243,7 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         tokens = pick_tokens(process_logits(logits, s, step), s, generator)
         tokens = torch.where(finished[own], torch.full_like(tokens, s.pad_token_id), tokens)
         if logprobs is not None:
-            logprobs[:, step] = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            logprobs[:, step] = logprobs_from_logits(logits[:, None], tokens[:, None]).squeeze(1)
         done = finished[own] | (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(finished[own]))
         out[:, step] = tokens
         all_tokens, finished = _share(tokens, done, batch, group)

@@ -22,6 +22,7 @@ from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gat
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
 from chatrl.models import sampling_settings
+from chatrl.step3_ppo.core import logprobs_from_logits
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,9 @@ class HybridEngine:
             output_logits: also return the raw logits of every decoding step.
             output_logprobs: also return the sampler's log-prob of each sampled token, from the raw
                 fp32 logits (before temperature/top-k/top-p), ``(B, max_new_tokens)``, 0 after
-                generation stopped (step 3's ``rollout/logp_diff``).
+                generation stopped (step 3's ``rollout/logp_diff``); computed by the training
+                forward's formula (:func:`chatrl.step3_ppo.core.logprobs_from_logits`), so that
+                the gap measures the forward passes only, not two ways of normalising.
 
         Returns:
             ``(B, P + max_new_tokens)`` token ids: the prompts, then the new tokens, right-padded with
@@ -320,7 +323,7 @@ class HybridEngine:
             steps = logits.shape[1]
             new = sequences[:, input_ids.shape[1]:input_ids.shape[1] + steps]
             logprobs = torch.zeros(new.shape[0], s.max_new_tokens, dtype=torch.float32, device=new.device)
-            logprobs[:, :steps] = torch.log_softmax(logits, dim=-1).gather(2, new[..., None]).squeeze(2)
+            logprobs[:, :steps] = logprobs_from_logits(logits, new)
             return sequences, logprobs
         if not self._in_inference or self._is_stale():
             self.enter_inference()

@@ -49,8 +49,11 @@ def test_sampler_and_training_logprobs_agree_zero3_hybrid(tmp_path, tp):
                  "--enable_hybrid_engine", "--inference_tp_size", str(tp))
     r = rows[0]
     # fp32 summation order differs between the cached decode step and the full training forward
-    # (and, at TP 2, the row-parallel all-reduce): measured max 2e-6..8e-6 at TP 1, 8e-6..1.05e-5 at TP 2
-    assert r["rollout/logp_diff_max"] <= (1e-5 if tp == 1 else 2e-5), r["rollout/logp_diff_max"]
+    # (and, at TP 2, the row-parallel all-reduce); both sides normalise by the same formula. Measured
+    # (seeds 1, 2, 3, default): TP 1 8.6e-6; TP 2 5.7e-6, 4.8e-6, 3.8e-6, 7.6e-6: a few float32 ulps
+    # of the values involved (stories260K: |logits| up to ~17, sampled log-probs down to ~-34, ulp 1.9e-6
+    # to 3.8e-6), the floor of any float32 comparison of two forward passes.
+    assert r["rollout/logp_diff_max"] <= 1e-5, r["rollout/logp_diff_max"]
     assert 0 <= r["rollout/logp_diff_mean"] <= r["rollout/logp_diff_max"]
     assert "critic_loss" not in r and "critic_lr" not in r and not (tmp_path / f"tp{tp}" / "critic").exists()
     assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["kl"] == 0.0
