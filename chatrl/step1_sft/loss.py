@@ -29,8 +29,26 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     """
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-                          ignore_index=IGNORE_INDEX, reduction="sum")
+    # shift the labels, not the logits: no (B, T - 1, V) copy of the largest tensor of the step
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="sum")
     return nll, (shift_labels != IGNORE_INDEX).sum()
+
+
+def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_nll` of ``model`` on a batch, with the LM head run on the labelled positions only
+    (:func:`chatrl.models.labelled_token_logits`; the same sum up to float32 rounding).
+
+    Args:
+        model: an HF causal LM, possibly under a DeepSpeed engine or peft wrapper.
+        input_ids, attention_mask, labels: ``(B, T)``; ``labels`` as in :func:`token_nll`.
+
+    Returns:
+        ``(nll_sum, n_tokens)``: a scalar float32 tensor (nats) and a scalar long tensor.
+    """
+    from chatrl.models import labelled_token_logits
+
+    logits, targets = labelled_token_logits(model, input_ids, attention_mask, labels, IGNORE_INDEX)
+    return F.cross_entropy(logits.float(), targets, reduction="sum"), labels.new_tensor(targets.numel())

@@ -56,8 +56,7 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
     """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks
     (NaN, with ``eval/tokens`` 0, when the eval split is empty)."""
     from chatrl.dist import all_reduce_sum, eval_batches
-    from chatrl.models import causal_lm_logits
-    from chatrl.step1_sft.loss import IGNORE_INDEX, token_nll
+    from chatrl.step1_sft.loss import IGNORE_INDEX, sft_nll
 
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
@@ -67,8 +66,7 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
             break
         batch = {k: v.to(info.device) for k, v in batch.items()}
         labels = batch["labels"].masked_fill(~real.to(info.device)[:, None], IGNORE_INDEX)
-        logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
-        nll, n = token_nll(logits, labels)
+        nll, n = sft_nll(engine, batch["input_ids"], batch["attention_mask"], labels)
         total += torch.tensor([nll.item(), n.item()], dtype=torch.float64)
     engine.train()
     nll_sum, n_tokens = all_reduce_sum(total).tolist()
@@ -126,7 +124,6 @@ def run(argv: list[str] | None = None) -> dict:
     from chatrl.models import (
         LoraSettings,
         apply_lora,
-        causal_lm_logits,
         check_context_window,
         enable_gradient_checkpointing,
         load_causal_lm,
@@ -134,7 +131,7 @@ def run(argv: list[str] | None = None) -> dict:
         optimizer_param_groups,
     )
     from chatrl.resilience import set_progress
-    from chatrl.step1_sft.loss import token_nll
+    from chatrl.step1_sft.loss import sft_nll
 
     check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
     set_progress("step 1 (SFT)")
@@ -198,8 +195,7 @@ def run(argv: list[str] | None = None) -> dict:
             n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
             step_nll = 0.0
             for m in micro:
-                logits = causal_lm_logits(engine, m["input_ids"], m["attention_mask"])
-                nll, _ = token_nll(logits, m["labels"])
+                nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"])
                 if step + 1 in args.debug_nonfinite_steps:
                     nll = nll * float("nan")
                 engine.backward(nll * (scale_base / max(n_global, 1.0)))

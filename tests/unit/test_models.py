@@ -175,3 +175,46 @@ def test_logits_to_keep_equals_the_last_positions_of_full_logits(tiny_models, fa
         kept = causal_lm_logits(model, ids, mask, logits_to_keep=4)
     assert kept.shape == (2, 4, full.shape[-1])
     assert torch.allclose(kept, full[:, -4:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sft_nll_on_labelled_positions_equals_the_full_logits_path(tiny_models, family, side):
+    """Step 1's LM head on the labelled positions only: the same NLL sum, token count and gradient as
+    the head over every position, whatever the padding side (prompt tokens masked, as step 1 does)."""
+    from chatrl.models import head_is_plain
+    from chatrl.step1_sft.loss import sft_nll
+
+    tok = load_tokenizer(str(tiny_models[family]))
+    model = load_causal_lm(str(tiny_models[family]), tok).eval()
+    assert head_is_plain(model)
+    torch.manual_seed(0)
+    ids, mask = _pad([torch.randint(0, 50000, (n,)).tolist() for n in (11, 6, 9)], tok.pad_token_id, side)
+    labels = ids.masked_fill((mask == 0) | (mask.cumsum(-1) <= 3), IGNORE_INDEX)  # pads and 3-token prompts
+    results = []
+    for fn in (lambda: token_nll(causal_lm_logits(model, ids, mask), labels), lambda: sft_nll(model, ids, mask, labels)):
+        model.zero_grad()
+        s, n = fn()
+        s.backward()
+        results.append((s.detach(), int(n), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (s0, n0, g0), (s1, n1, g1) = results
+    assert n0 == n1 == int((labels[:, 1:] != IGNORE_INDEX).sum()) > 0
+    assert s1.item() == pytest.approx(s0.item(), rel=1e-6)
+    assert len(g0) == len(g1) and all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g0, g1, strict=True))
+
+
+def test_a_soft_capped_head_falls_back_to_full_logits(tiny_models):
+    """A config that scales or soft-caps the head's output takes the full-logits path: same values."""
+    from chatrl.models import head_is_plain, labelled_token_logits
+
+    tok = load_tokenizer(str(tiny_models["opt"]))
+    model = load_causal_lm(str(tiny_models["opt"]), tok).eval()
+    ids, mask = _pad([[5, 6, 7, 8], [9, 10]], tok.pad_token_id, "right")
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    with torch.no_grad():
+        fast, t_fast = labelled_token_logits(model, ids, mask, labels)
+        model.config.final_logit_softcapping = 30.0
+        assert not head_is_plain(model)
+        slow, t_slow = labelled_token_logits(model, ids, mask, labels)
+    assert fast.shape == (4, model.config.vocab_size) and torch.equal(t_fast, t_slow) and t_fast.tolist() == [6, 7, 8, 10]
+    assert torch.allclose(fast, slow, atol=1e-5, rtol=0)
