@@ -440,31 +440,45 @@ def make_optimizer(param_groups: list[dict], lr: float, offload: bool, betas=(0.
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
 
 
-_DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+_DEEPSPEED_MUON = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
 
 
-@contextlib.contextmanager
-def _without_deepspeed_muon(active: bool):
-    """Keep ``deepspeed.initialize`` from importing DeepSpeed's Muon optimizer (ZeRO 1-2) for the block.
+class _NoDeepSpeedMuon:
+    """Stands for every name of DeepSpeed's Muon modules in chatrl's processes (:func:`_stub_deepspeed_muon`):
+    nothing is an instance of it, and calling it (building the optimizer, running an update) raises."""
 
-    DeepSpeed's ZeRO optimizer check tries ``import ...muon_optimizer`` and reads an ``ImportError``
-    as "Muon not installed"; that module compiles a function at import, which pulls in
-    ``torch._inductor``: seconds of start-up per rank (``docs/performance.md``) for an optimizer
-    chatrl never passes (:func:`make_optimizer` builds AdamW). A ``None`` entry in ``sys.modules``
-    makes that import raise ``ImportError``; it is removed afterwards. ZeRO-3's optimizer imports
-    the module unconditionally, so it is left alone there.
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("chatrl builds its own optimizer (AdamW); DeepSpeed's Muon optimizer is not supported")
+
+
+def _muon_placeholder(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _NoDeepSpeedMuon
+
+
+def _stub_deepspeed_muon() -> None:
+    """Put placeholders for DeepSpeed's Muon optimizer modules in ``sys.modules``, once per process.
+
+    DeepSpeed imports ``deepspeed.runtime.zero.muon.muon_optimizer`` to ask whether the optimizer is
+    a ``MuonWithAuxAdam`` (when an engine is built: the ZeRO 1-2 support check, ZeRO-3's and the bf16
+    optimizer's set-up), and ZeRO-2 imports ``...original_muon`` at every gradient reduction,
+    calling its ``muon_update`` only for Muon parameter groups. Importing either runs
+    ``torch.compile`` on Muon's kernels: 2-5 s per rank on this machine after an optimizer exists
+    (loaded; ``docs/performance.md``), for an optimizer chatrl never builds (:func:`make_optimizer`
+    builds AdamW, and chatrl's DeepSpeed configs name no optimizer). In the placeholders every name
+    is :class:`_NoDeepSpeedMuon`, so each check answers "no Muon", as with the real modules, and a
+    Muon code path that did run would fail loudly. Modules already imported (a user's own code)
+    are left as they are.
     """
     import sys
+    import types
 
-    if not active or _DEEPSPEED_MUON in sys.modules:
-        yield
-        return
-    sys.modules[_DEEPSPEED_MUON] = None
-    try:
-        yield
-    finally:
-        if sys.modules.get(_DEEPSPEED_MUON, 0) is None:
-            del sys.modules[_DEEPSPEED_MUON]
+    for name in _DEEPSPEED_MUON:
+        if name not in sys.modules:
+            stub = types.ModuleType(name, "chatrl's placeholder for a DeepSpeed Muon module (chatrl.dist)")
+            stub.__getattr__ = _muon_placeholder
+            sys.modules[name] = stub
 
 
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
@@ -477,8 +491,8 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """
     import deepspeed
 
-    with _without_deepspeed_muon(optimizer is not None and config["zero_optimization"]["stage"] in (1, 2)):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+    _stub_deepspeed_muon()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
     if optimizer is not None and not hasattr(engine.optimizer, "overflow"):
         from chatrl.resilience import skip_nonfinite_steps
 
