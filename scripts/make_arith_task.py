@@ -48,26 +48,34 @@ def make_row(a: int, op: str, b: int, with_answers: bool = False) -> dict:
 
 
 def make_task(n_train: int, n_eval: int, seed: int = 0, max_operand: int = 99, ops=OPS,
-              with_answers: bool = False) -> tuple[list[dict], list[dict]]:
-    """``(train, eval)`` rows of distinct problems ``a op b`` with ``0 <= a, b <= max_operand``.
+              with_answers: bool = False, max_second_operand: int | None = None) -> tuple[list[dict], list[dict]]:
+    """``(train, eval)`` rows of distinct problems ``a op b`` with ``0 <= a <= max_operand`` and
+    ``0 <= b <= max_second_operand`` (default: ``max_operand``).
+
+    A small ``max_second_operand`` makes a task whose held-out problems are new operand pairs but
+    whose rule is shared: ``437 + 2`` copies the leading digits and adds to the last one (with a
+    carry now and then), which a tiny model can learn from other problems.
 
     Raises:
         ValueError: more problems asked for than exist, an unknown operator or a bad size.
     """
-    if n_train < 0 or n_eval < 0 or max_operand < 1:
-        raise ValueError(f"sizes must be >= 0 and max_operand >= 1, got {n_train}, {n_eval}, {max_operand}")
+    max_b = max_operand if max_second_operand is None else max_second_operand
+    if n_train < 0 or n_eval < 0 or max_operand < 1 or max_b < 0:
+        raise ValueError(f"sizes must be >= 0, max_operand >= 1 and max_second_operand >= 0, got {n_train}, "
+                         f"{n_eval}, {max_operand}, {max_b}")
     unknown = set(ops) - set(OPS)
     if unknown or not ops:
         raise ValueError(f"unknown operators {sorted(unknown)}; choose among {OPS}")
-    space = (max_operand + 1) ** 2 * len(ops)
+    space = (max_operand + 1) * (max_b + 1) * len(ops)
     if n_train + n_eval > space:
         raise ValueError(f"{n_train} + {n_eval} problems asked for, but only {space} distinct ones exist "
-                         f"with --max_operand {max_operand} and operators {''.join(ops)}")
+                         f"with --max_operand {max_operand}, --max_second_operand {max_b} and operators "
+                         f"{''.join(ops)}")
     rng = random.Random(seed)
     seen: set[tuple[int, str, int]] = set()
     problems = []
     while len(problems) < n_train + n_eval:
-        p = (rng.randint(0, max_operand), rng.choice(list(ops)), rng.randint(0, max_operand))
+        p = (rng.randint(0, max_operand), rng.choice(list(ops)), rng.randint(0, max_b))
         if p not in seen:
             seen.add(p)
             problems.append(p)
@@ -82,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=int, default=2000, help="training problems")
     p.add_argument("--eval", type=int, default=200, help="held-out problems")
     p.add_argument("--max_operand", type=int, default=99, help="largest operand")
+    p.add_argument("--max_second_operand", type=int, default=None,
+                   help="largest second operand b (unset: --max_operand)")
     p.add_argument("--ops", default="+-", help="operators among + - *")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--with_answers", action="store_true", help="add the reference as 'chosen' (SFT rows)")
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"{', '.join(existing)} already exist(s); pass --overwrite to replace")
     try:
         train, evals = make_task(args.train, args.eval, args.seed, args.max_operand, tuple(args.ops),
-                                 args.with_answers)
+                                 args.with_answers, args.max_second_operand)
     except ValueError as exc:
         p.error(str(exc))
     out.mkdir(parents=True, exist_ok=True)

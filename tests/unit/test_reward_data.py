@@ -83,6 +83,20 @@ def test_arith_task_rows_are_correct_distinct_and_held_out():
         mod.make_task(5, 5, max_operand=1, ops=("+", "-"))
 
 
+def test_arith_task_second_operand_range():
+    """--max_second_operand: b stays in [0, B], a spans [0, max_operand], problems stay distinct."""
+    mod = load_script()
+    train, evals = mod.make_task(150, 50, seed=2, max_operand=99, ops=("+",), max_second_operand=1)
+    keys = [(r["metadata"]["a"], r["metadata"]["b"]) for r in train + evals]
+    assert len(set(keys)) == 200 == len(keys)
+    assert {b for _, b in keys} == {0, 1} and max(a for a, _ in keys) > 90
+    assert all(int(r["reference"]) == r["metadata"]["a"] + r["metadata"]["b"] for r in train + evals)
+    with pytest.raises(ValueError, match=r"only 200 distinct ones exist with --max_operand 99, --max_second_operand 1"):
+        mod.make_task(150, 51, max_operand=99, ops=("+",), max_second_operand=1)
+    with pytest.raises(ValueError, match="max_second_operand >= 0"):
+        mod.make_task(1, 1, max_operand=9, max_second_operand=-1)
+
+
 def test_arith_script_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
     mod = load_script()
     mod.main(["--output_dir", str(tmp_path), "--train", "20", "--eval", "5", "--with_answers"])
