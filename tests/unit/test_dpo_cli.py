@@ -23,7 +23,14 @@ def test_every_dpo_flag_has_help():
     p = build_parser()
     group = next(g for g in p._action_groups if g.title == "DPO")
     assert {a.dest for a in group._group_actions} >= {"beta", "label_smoothing", "loss_type", "simpo_gamma",
-                                                      "precompute_ref_log_probs"}
+                                                      "rpo_alpha", "precompute_ref_log_probs"}
+    # every loss setting is a flag of the DPO block (main.run builds DPOSettings from them by name)
+    from dataclasses import fields
+
+    from chatrl.step2_dpo.loss import DPOSettings
+
+    assert {f.name for f in fields(DPOSettings)} <= {a.dest for a in group._group_actions}
+    assert parse(build_parser(), [*BASE, "--rpo-alpha", "0.5"]).rpo_alpha == 0.5
     assert all(a.help for a in group._group_actions)
     offload = next(a for a in p._actions if a.dest == "offload_reference_model")
     assert "reference" in offload.help
