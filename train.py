@@ -188,11 +188,19 @@ class PipelineConfig:
     num_samples_per_prompt: int = setting(4, "answers per prompt of a critic-free step 3 (its group)")
 
 
+# DPO's settings on train.py's path (beside step 1's actor set-up and a tenth of its learning rate):
+# DeepSpeed-Chat's β and one epoch, and RPO's SFT term on the chosen answers, which keeps the answers
+# ending with EOS as step 1 taught (docs/dpo.md, "EOS after DPO").
+DPO_DEFAULTS = {"num_train_epochs": 1, "beta": 0.1, "rpo_alpha": 1.0, "eval_eos_samples": 32}
+
+
 def dpo_plan(out: Path, flags: dict, dirs: dict, models: dict, steps: list[int]) -> list[int]:
     """Re-plan step 2 as DPO of the step-1 actor (``chatrl.step2_dpo`` into ``OUTPUT/step2_dpo``), in place;
     returns the steps to run (step 3 dropped: the DPO model is the chat model). The DPO step uses
     step 1's actor settings (ZeRO stage, LoRA, batch sizes) on step 2's preference data, with
-    DeepSpeed-Chat's DPO defaults (β 0.1, one epoch, a learning rate a tenth of step 1's)."""
+    :data:`DPO_DEFAULTS` and a learning rate a tenth of step 1's (names checked against the DPO parser)."""
+    from chatrl.step2_dpo.main import build_parser as dpo_parser
+
     if 3 in steps:
         print("train.py: --step2-method dpo stops after step 2 (the DPO model is the chat model); step 3 is skipped",
               flush=True)
@@ -200,8 +208,7 @@ def dpo_plan(out: Path, flags: dict, dirs: dict, models: dict, steps: list[int])
     lr = float(step1[step1.index("--learning_rate") + 1]) / 10 if "--learning_rate" in step1 else 5e-6
     step2 = flags[2]  # starts with --data_path and the preference data (step 1's may add SFT-only sets)
     end = next((i for i, f in enumerate(step2[1:], 1) if f.startswith("--")), len(step2))
-    flags[2] = [*step1, *step2[:end], "--learning_rate", f"{lr:g}", "--num_train_epochs", "1",
-                "--beta", "0.1", "--eval_eos_samples", "32"]
+    flags[2] = [*step1, *step2[:end], *to_argv(dpo_parser(), {"learning_rate": f"{lr:g}", **DPO_DEFAULTS})]
     dirs[2] = out / "step2_dpo"
     models[2] = ["--model_name_or_path", str(dirs[1])]
     return [s for s in steps if s != 3]

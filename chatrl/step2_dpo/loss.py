@@ -21,8 +21,17 @@ Loss types (:data:`LOSS_TYPES`), per pair:
              ``Δ̄ = log π(y_w|x)/|y_w| − log π(y_l|x)/|y_l|`` (no reference)         reference-free
 =========  ===================================================================  ==========================
 
+With ``rpo_alpha = α > 0`` every loss type gets an SFT term on the chosen answer, the per-token
+negative log-likelihood ``α · (−log π(y_w|x) / |y_w|)`` (RPO: Pang et al. 2024, "Iterative Reasoning
+Preference Optimization", eq. 1, with α on the NLL term as in its v3 and TRL's ``rpo_alpha``; the
+paper also counts the prompt's tokens, chatrl scores the answer only). DPO's objective depends only
+on the chosen-minus-rejected difference, so it is free to lower both answers' log-probs together
+and with them the end-of-turn token both end with; the NLL term keeps the chosen answer, its EOS
+included, likely (docs/dpo.md, "EOS after DPO").
+
 The implicit rewards reported as metrics are ``β (log π − log π_ref)`` for the reference-based
-losses and ``β log π / |y|`` for SimPO (its own reward, eq. 4 of the SimPO paper).
+losses and ``β log π / |y|`` for SimPO (its own reward, eq. 4 of the SimPO paper); the NLL term
+does not change them.
 """
 
 from __future__ import annotations
@@ -73,13 +82,15 @@ class DPOSettings:
     ``beta``: β, the strength of the implicit KL constraint (inverse temperature of the rewards).
     ``label_smoothing``: ε in ``[0, 0.5)``, the assumed share of flipped preference labels
     (sigmoid and SimPO only). ``loss_type``: one of :data:`LOSS_TYPES`. ``simpo_gamma``: γ, SimPO's
-    target reward margin (in reward units; TRL's ``gamma_beta_ratio`` is ``γ/β``).
+    target reward margin (in reward units; TRL's ``gamma_beta_ratio`` is ``γ/β``). ``rpo_alpha``:
+    α ≥ 0, weight of the chosen answer's per-token NLL added to each pair's loss (0: none).
     """
 
     beta: float = 0.1
     label_smoothing: float = 0.0
     loss_type: str = "sigmoid"
     simpo_gamma: float = 0.5
+    rpo_alpha: float = 0.0
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -90,6 +101,8 @@ class DPOSettings:
             raise ValueError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
             raise ValueError(f"--label_smoothing applies to the sigmoid and simpo losses, not {self.loss_type}")
+        if not self.rpo_alpha >= 0:
+            raise ValueError(f"--rpo_alpha must be >= 0, got {self.rpo_alpha}")
 
     @property
     def reference_free(self) -> bool:
@@ -116,7 +129,7 @@ def preference_loss(
         policy_chosen, policy_rejected: ``(B,)`` summed answer log-probs under the policy (nats).
         ref_chosen, ref_rejected: ``(B,)`` the same under the reference; required unless SimPO.
         chosen_len, rejected_len: ``(B,)`` answer token counts; required by IPO and SimPO (length
-            normalisation), ignored otherwise.
+            normalisation), ``chosen_len`` also when ``rpo_alpha > 0``; ignored otherwise.
 
     Returns:
         ``(losses (B,), chosen_rewards (B,), rejected_rewards (B,))`` in float32; the rewards are
@@ -131,11 +144,15 @@ def preference_loss(
     beta, eps = settings.beta, settings.label_smoothing
     if settings.loss_type in ("simpo", "ipo") and (chosen_len is None or rejected_len is None):
         raise ValueError(f"the {settings.loss_type} loss needs the answers' token counts (length normalisation)")
+    if settings.rpo_alpha and chosen_len is None:
+        raise ValueError("--rpo_alpha needs the chosen answers' token counts (per-token NLL)")
+    # RPO's SFT term (module docstring): α times the chosen answer's mean per-token NLL, 0 when α = 0.
+    nll = -pc / chosen_len.clamp(min=1).to(pc) if settings.rpo_alpha else torch.zeros_like(pc)
     if settings.loss_type == "simpo":
         avg_c = pc / chosen_len.clamp(min=1).to(pc)
         avg_r = pr / rejected_len.clamp(min=1).to(pr)
         losses = _smoothed_logsigmoid_loss(beta * (avg_c - avg_r) - settings.simpo_gamma, eps)
-        return losses, (beta * avg_c).detach(), (beta * avg_r).detach()
+        return losses + settings.rpo_alpha * nll, (beta * avg_c).detach(), (beta * avg_r).detach()
     if ref_chosen is None or ref_rejected is None:
         raise ValueError(f"the {settings.loss_type} loss needs the reference model's log-probs")
     rc, rr = ref_chosen.float().to(pc.device), ref_rejected.float().to(pc.device)
@@ -150,7 +167,7 @@ def preference_loss(
         losses = (h_avg - 1.0 / (2.0 * beta)) ** 2
     else:  # hinge
         losses = torch.relu(1.0 - beta * h)
-    return losses, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
+    return losses + settings.rpo_alpha * nll, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
 
 
 def reward_stats(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:

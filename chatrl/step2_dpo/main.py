@@ -21,7 +21,8 @@ Metrics (``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard with ``--enable_tensorbo
 ``rewards/margin``          mean ``rewards/chosen − rewards/rejected``
 ``logps/chosen``            mean summed log-prob of the chosen answers under the policy (nats)
 ``logps/rejected``          the same for the rejected answers
-``eval/pairs``              eval pairs scored; ``eval/eos_rate`` with ``--eval_eos_samples``
+``eval/pairs``              eval pairs scored; ``eval/eos_rate`` with ``--eval_eos_samples`` (before
+                            training and at the end, the same prompts)
 ==========================  ==================================================================
 
 Run ``python -m chatrl.step2_dpo --help`` for the flags.
@@ -33,7 +34,7 @@ import argparse
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -62,6 +63,10 @@ class DPOConfig:
                              choices=LOSS_TYPES)
     simpo_gamma: float = setting(0.5, "γ: SimPO's target reward margin, in reward units (TRL's gamma_beta_ratio is "
                                       "γ/β)")
+    rpo_alpha: float = setting(0.0, "α: weight of an SFT term on the chosen answer, α·(−log π(y_w|x)/|y_w|), "
+                                    "added to each pair's loss (RPO, Pang et al. 2024; TRL's name); keeps the "
+                                    "chosen answers and their EOS likely (docs/dpo.md). 0: plain DPO",
+                               unit="loss weight")
     precompute_ref_log_probs: bool = setting(False, "score the training and eval pairs with the reference once "
                                                     "before training, then free it")
     disable_dropout: bool = setting(False, "DeepSpeed-Chat's spelling of --dropout 0.0")
@@ -189,7 +194,7 @@ def run(argv: list[str] | None = None) -> dict:
     from chatrl.step2_dpo.reference import build_reference, reference_kind
 
     try:
-        settings = DPOSettings(args.beta, args.label_smoothing, args.loss_type, args.simpo_gamma)
+        settings = DPOSettings(**{f.name: getattr(args, f.name) for f in fields(DPOSettings)})
     except ValueError as err:
         build_parser().error(str(err))
     set_progress("step 2 (DPO)")
@@ -253,9 +258,14 @@ def run(argv: list[str] | None = None) -> dict:
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
         metrics = evaluate(engine, reference, settings, eval_pairs, collate, args, info)
+        if args.eval_eos_samples:  # the same prompts as the check at the end: the share before vs after DPO
+            metrics["eval/eos_rate"] = eos_rate(engine, _ChosenAsSFT(data.eval), tokenizer, args.eval_eos_samples,
+                                                args.eval_max_new_tokens, args.zero_stage, info)
         initial = dict(metrics)
         tracker.log(metrics, step=0)
-        tracker.write(f"eval before training: {describe(metrics)}")
+        tracker.write(f"eval before training: {describe(metrics)}"
+                      + (f", greedy answers ending in EOS {metrics['eval/eos_rate']:.1%}" if args.eval_eos_samples
+                         else ""))
     tracker.bar(total_steps, "step 2 DPO", initial=step)
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
@@ -301,7 +311,9 @@ def run(argv: list[str] | None = None) -> dict:
                         args.zero_stage, info)
         metrics["eval/eos_rate"] = rate
         tracker.log({"eval/eos_rate": rate}, step)
-        tracker.write(f"greedy answers ending in EOS within {args.eval_max_new_tokens} tokens: {rate:.1%}")
+        before = initial.get("eval/eos_rate")
+        tracker.write(f"greedy answers ending in EOS within {args.eval_max_new_tokens} tokens: {rate:.1%}"
+                      + (f" (before DPO: {before:.1%})" if before is not None else ""))
     tracker.close()
     dist.save_hf_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:

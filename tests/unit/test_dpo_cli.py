@@ -23,7 +23,14 @@ def test_every_dpo_flag_has_help():
     p = build_parser()
     group = next(g for g in p._action_groups if g.title == "DPO")
     assert {a.dest for a in group._group_actions} >= {"beta", "label_smoothing", "loss_type", "simpo_gamma",
-                                                      "precompute_ref_log_probs"}
+                                                      "rpo_alpha", "precompute_ref_log_probs"}
+    # every loss setting is a flag of the DPO block (main.run builds DPOSettings from them by name)
+    from dataclasses import fields
+
+    from chatrl.step2_dpo.loss import DPOSettings
+
+    assert {f.name for f in fields(DPOSettings)} <= {a.dest for a in group._group_actions}
+    assert parse(build_parser(), [*BASE, "--rpo-alpha", "0.5"]).rpo_alpha == 0.5
     assert all(a.help for a in group._group_actions)
     offload = next(a for a in p._actions if a.dest == "offload_reference_model")
     assert "reference" in offload.help
@@ -35,6 +42,9 @@ def test_bad_dpo_settings_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
         run([*BASE, "--loss_type", "hinge", "--label_smoothing", "0.1"])
     assert "--label_smoothing applies" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run([*BASE, "--rpo_alpha", "-1"])
+    assert "--rpo_alpha must be >= 0, got -1.0" in capsys.readouterr().err
 
 
 def test_train_py_dpo_plan_runs_dpo_on_the_step1_actor_and_no_step3(tmp_path):
@@ -50,7 +60,23 @@ def test_train_py_dpo_plan_runs_dpo_on_the_step1_actor_and_no_step3(tmp_path):
     args = parse(build_parser(), [*models[2], *flags[2], "--output_dir", str(dirs[2])])
     assert args.lora_dim == 128 and args.zero_stage == 3 and args.gradient_checkpointing  # step 1's actor set-up
     assert args.learning_rate == pytest.approx(9.65e-7) and args.beta == 0.1 and args.num_train_epochs == 1
+    assert args.rpo_alpha == 1.0 and args.eval_eos_samples == 32  # the SFT term that keeps EOS (docs/dpo.md)
     assert args.data_path == data
+
+
+def test_train_py_dpo_plan_of_every_preset_parses_with_the_dpo_parser(tmp_path):
+    plans = [train.size_preset(a, r, d, None, None) for d in ("single_gpu", "single_node", "multi_node", "cpu")
+             for a, r in ((0.125, 0.35), (1.3, 0.35), (6.7, 1.3), (13, 0.35), (66, 7))]
+    plans.append(train.demo_plan(tmp_path)[2])
+    for flags in plans:
+        if "--data_path" not in flags[2]:
+            for s in (1, 2, 3):
+                flags[s] = ["--data_path", "Dahoas/rm-static", *flags[s]]
+        dirs = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}
+        models = {1: [], 2: [], 3: []}
+        assert train.dpo_plan(tmp_path, flags, dirs, models, [1, 2, 3]) == [1, 2]
+        args = parse(build_parser(), [*models[2], *flags[2], "--output_dir", "o"])  # SystemExit on a bad flag
+        assert args.model_name_or_path == str(tmp_path / "s1") and args.rpo_alpha == 1.0
 
 
 def test_train_py_dpo_plan_of_the_demo_uses_pair_data_only(tmp_path):

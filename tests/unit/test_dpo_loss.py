@@ -71,6 +71,49 @@ def test_gradient_of_sigmoid_loss_matches_the_paper():
     assert pc.grad.item() == pytest.approx(-0.1 * torch.sigmoid(torch.tensor(-0.2)).item(), abs=1e-7)
 
 
+def test_rpo_adds_the_chosen_answers_per_token_nll_by_hand():
+    nc, nr = torch.tensor([2, 1]), torch.tensor([1, 4])
+    pc = PC.clone().requires_grad_(True)
+    losses, chosen, rejected = preference_loss(DPOSettings(beta=0.1, rpo_alpha=0.5), pc, PR, RC, RR, nc, nr)
+    # sigmoid losses above + α · (−log π(y_w) / |y_w|): 0.5 · 10/2 = 2.5 and 0.5 · 5/1 = 2.5
+    assert losses.tolist() == pytest.approx([3.0981388693, 3.2443966600], abs=1e-6)
+    assert chosen.tolist() == pytest.approx([0.1, 0.0], abs=1e-7)  # rewards unchanged by the NLL term
+    assert rejected.tolist() == pytest.approx([-0.1, 0.1], abs=1e-7)
+    losses[0].backward()
+    # ∂/∂log π(y_w) = −β σ(−βh) − α / |y_w| (h = 2 for pair 0)
+    expected = -0.1 * torch.sigmoid(torch.tensor(-0.2)).item() - 0.5 / 2
+    assert pc.grad.tolist() == pytest.approx([expected, 0.0], abs=1e-7)
+    # SimPO too (its own reference-free loss, plus the same term)
+    s = DPOSettings(beta=2.0, loss_type="simpo", simpo_gamma=0.5, rpo_alpha=1.0)
+    simpo, _, _ = preference_loss(s, PC[:1], PR[:1], chosen_len=torch.tensor([5]), rejected_len=torch.tensor([4]))
+    assert simpo.item() == pytest.approx(0.2014132779 + 10 / 5, abs=1e-6)
+    with pytest.raises(ValueError, match="--rpo_alpha needs"):
+        preference_loss(DPOSettings(rpo_alpha=1.0), PC, PR, RC, RR)
+
+
+def test_every_setting_changes_the_loss():
+    """No dead option: each field of DPOSettings, moved from the default, changes the losses."""
+    from dataclasses import fields
+
+    g = torch.Generator().manual_seed(1)
+    pc, pr = -20 * torch.rand(6, generator=g), -20 * torch.rand(6, generator=g)
+    rc, rr = pc + torch.randn(6, generator=g), pr + torch.randn(6, generator=g)
+    nc, nr = torch.randint(1, 9, (6,), generator=g), torch.randint(1, 9, (6,), generator=g)
+    variants = {"beta": {"beta": 0.3}, "label_smoothing": {"label_smoothing": 0.2},
+                "loss_type": {"loss_type": "ipo"}, "rpo_alpha": {"rpo_alpha": 1.0}}
+    assert set(variants) | {"simpo_gamma"} == {f.name for f in fields(DPOSettings)}  # a new field needs a row here
+    base = preference_loss(DPOSettings(), pc, pr, rc, rr, nc, nr)[0]
+    for name, kw in variants.items():
+        moved = preference_loss(DPOSettings(**kw), pc, pr, rc, rr, nc, nr)[0]
+        assert (moved - base).abs().max().item() > 1e-4, name
+    simpo = preference_loss(DPOSettings(loss_type="simpo"), pc, pr, rc, rr, nc, nr)[0]
+    gamma = preference_loss(DPOSettings(loss_type="simpo", simpo_gamma=1.5), pc, pr, rc, rr, nc, nr)[0]
+    assert (gamma - simpo).abs().max().item() > 1e-4, "simpo_gamma"
+    for loss_type in ("hinge", "simpo"):
+        other = preference_loss(DPOSettings(loss_type=loss_type), pc, pr, rc, rr, nc, nr)[0]
+        assert (other - base).abs().max().item() > 1e-4, loss_type
+
+
 def test_bad_settings_and_inputs_raise():
     with pytest.raises(ValueError, match="--loss_type"):
         DPOSettings(loss_type="kto")
@@ -80,6 +123,8 @@ def test_bad_settings_and_inputs_raise():
         DPOSettings(label_smoothing=0.5)
     with pytest.raises(ValueError, match="--label_smoothing applies"):
         DPOSettings(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="--rpo_alpha"):
+        DPOSettings(rpo_alpha=-0.1)
     with pytest.raises(ValueError, match="reference"):
         preference_loss(DPOSettings(), PC, PR)
     with pytest.raises(ValueError, match="token counts"):
@@ -129,6 +174,27 @@ def test_collator_answer_mask_follows_prompt_len_on_both_padding_sides():
         first = int(b["attention_mask"][0].argmax()) if side == "left" else 0
         assert b["answer_mask"][0, first:first + 3].tolist() == [0, 0, 0]
         assert b["answer_mask"][0, first + 3].item() == 1
+
+
+@pytest.mark.parametrize("pad", [0, 2])
+def test_the_answers_eos_is_scored_and_pads_are_not_even_when_pad_is_eos(pad):
+    """EOS (id 2) ends both answers; with pad = EOS (GPT-2 style) the mask still comes from lengths."""
+    pair = {"chosen_input_ids": torch.tensor([5, 6, 7, 2]), "rejected_input_ids": torch.tensor([5, 6, 8, 9, 9, 2]),
+            "prompt_len": 2}
+    for side in ("left", "right"):
+        b = DPOCollator(pad_token_id=pad, padding_side=side)([pair])
+        off = 2 if side == "left" else 0  # the chosen row's 2 pads come first when left-padded
+        assert b["answer_mask"][0].tolist() == ([0, 0] * (side == "left") + [0, 0, 1, 1] + [0, 0] * (side == "right"))
+        assert b["answer_mask"][1].tolist() == [0, 0, 1, 1, 1, 1]
+        # logits: uniform over 10 tokens, except that the position before each row's final EOS gives EOS logit 3
+        logits = torch.zeros(2, 6, 10)
+        logits[0, off + 2, 2] = 3.0
+        logits[1, 4, 2] = 3.0
+        logps, n = answer_logps(logits, b["input_ids"], b["answer_mask"])
+        eos = 3.0 - math.log(math.exp(3.0) + 9)  # log p(EOS) where its logit is 3
+        uniform = -math.log(10)
+        assert n.tolist() == [2, 4]
+        assert logps.tolist() == pytest.approx([uniform + eos, 3 * uniform + eos], abs=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
