@@ -23,10 +23,10 @@ from tests.launch import run_ranks
 # The set-up measured in docs/critic_free.md; change both together.
 TASK = dict(n_train=400, n_eval=100, seed=0, max_operand=999, ops=("+",), max_second_operand=1)
 STEP1 = ["--max_seq_len", "64", "--per_device_train_batch_size", "16", "--learning_rate", "3e-3",
-         "--lr_scheduler_type", "constant", "--num_train_epochs", "100", "--max_steps", "140", "--zero_stage", "0"]
+         "--lr_scheduler_type", "constant", "--num_train_epochs", "100", "--max_steps", "160", "--zero_stage", "0"]
 STEP3 = ["--max_prompt_seq_len", "64", "--max_answer_seq_len", "6", "--per_device_generation_batch_size", "8",
          "--num_samples_per_prompt", "8", "--per_device_training_batch_size", "64", "--actor_learning_rate", "5e-4",
-         "--init_kl_coef", "0.01", "--max_steps", "60", "--num_train_epochs", "3", "--actor_zero_stage", "0",
+         "--init_kl_coef", "0.01", "--max_steps", "100", "--num_train_epochs", "5", "--actor_zero_stage", "0",
          "--enable_hybrid_engine", "--num_warmup_steps", "0"]
 
 
@@ -72,10 +72,11 @@ def test_critic_free_raises_held_out_accuracy(arith_sft, tmp_path, algorithm):
                "--output_dir", str(out), "--disable_progress_bar"], timeout=400)
     rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "kl" in r]
-    assert len(rows) == 60
+    assert len(rows) == 100
     reward = [r["reward/exact_match"] for r in rows]
     assert sum(reward[-10:]) > sum(reward[:10]) + 1.0, reward  # training prompts: sampled accuracy +10 points
     after = eval_exact_match.evaluate(str(out / "actor"), arith_sft["held_out"])
-    # measured on 100 held-out problems: 30% -> 48% (GRPO), 46% (RLOO); KL at most 0.97 / 2.06 nats
+    print(f"LEARNING {algorithm} held-out {arith_sft['before']:.2f} -> {after:.2f}, kl max {max(r['kl'] for r in rows):.2f}")
+    # measured on 100 held-out problems: 30% -> 43% (GRPO), 44% (RLOO); KL at most 2.76 / 2.53 nats
     assert after >= arith_sft["before"] + 0.1, (algorithm, arith_sft["before"], after)
     assert max(r["kl"] for r in rows) <= 4.0, [r["kl"] for r in rows]
