@@ -219,7 +219,8 @@ def side_by_side(a) -> dict:
     modes = [f"chatrl_zero{s}" for s in a.stages] + (["trl"] if a.trl_python else [])
     runs: dict[str, list] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(a.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         setup = make_side_by_side_setup(work, a)
         for rep in range(a.repeats):
             for m in modes:  # interleaved: every mode sees the same load, repeat after repeat
@@ -252,6 +253,8 @@ def main() -> None:
     p.add_argument("--side_by_side", action="store_true", help="issue 15's set-up at each ZeRO stage (and TRL)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work_dir", default=None,
+                   help="keep the side-by-side models, outputs and launch logs here (default: a temporary folder)")
     p.add_argument("--trl_python", default=None, help="python of the TRL 1.12 venv (adds TRL's PPOTrainer)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     p.add_argument("--algorithms", nargs="+", default=None, choices=["ppo", "grpo", "rloo", "reinforce_pp"],

@@ -33,26 +33,33 @@ class NonFiniteError(RuntimeError):
     """Too many training steps in a row had non-finite loss or gradients."""
 
 
-def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make ``optimizer.step()`` a no-op (gradients dropped) when any gradient is NaN or ±inf.
+def skip_nonfinite_steps(optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` a no-op (gradients dropped) when any gradient is NaN or ±inf, and
+    clip the gradients to a total L2 norm of ``max_norm`` (0: no clipping) before a finite step.
 
     Sets ``optimizer.overflow`` after each call, the attribute DeepSpeed's engine reads to count a
     skipped step and hold the learning-rate schedule (a total gradient norm that overflows fp32, above
     ~1.8e19 per element, counts as non-finite too). For optimizers whose gradients are the same
     on every rank when ``step`` runs (ZeRO-0: DeepSpeed all-reduces them first), so every rank
-    takes the same decision. Returns the optimizer, patched in place.
+    takes the same decision and the same clip. The clip is DeepSpeed's fp32 rule (and torch's):
+    gradients × min(1, max_norm / (norm + 1e-6)), with the one norm the guard computes anyway;
+    :func:`chatrl.dist.initialize` hands ZeRO-0's clipping to it so the norm is computed once, with
+    no collective. Returns the optimizer, patched in place.
     """
     inner = optimizer.step
 
     def step(*args, **kwargs):
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         # one fused norm over all gradients (a NaN or ±inf anywhere makes it non-finite); a per-tensor
         # isfinite() was 37% of a tiny model's optimizer step on CPU (bench/peers profile)
-        finite = not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+        finite = norm is None or bool(torch.isfinite(norm))
         optimizer.overflow = not finite
         if not finite:
             optimizer.zero_grad(set_to_none=True)
             return None
+        if max_norm > 0 and params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return inner(*args, **kwargs)
 
     optimizer.step = step

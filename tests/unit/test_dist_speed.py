@@ -100,3 +100,69 @@ def test_a_muon_optimizer_is_refused_clearly():
             optimizer.MuonWithAuxAdam([])
         with pytest.raises(RuntimeError, match="Muon optimizer is not supported"):
             kernels.muon_update(None, None)
+
+
+_SPARSE_PROBE = r"""
+import copy, json, sys
+import torch
+from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
+from chatrl import dist
+info = dist.init_distributed()
+stage, clip = int(sys.argv[1]), float(sys.argv[2])
+cfg = OPTConfig(vocab_size=500, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+                max_position_embeddings=64, word_embed_proj_dim=16, pad_token_id=1, dropout=0.0)
+torch.manual_seed(0)
+model = OPTForSequenceClassification(cfg)
+ref, start = copy.deepcopy(model), copy.deepcopy(model)
+opt = torch.optim.SGD(model.parameters(), lr=1.0)  # a linear read-out of the gradients (Adam would amplify rounding)
+sparse_seen = []
+opt.register_step_pre_hook(lambda o, *_: sparse_seen.append(any(p.grad is not None and p.grad.is_sparse
+                                                                    for g in o.param_groups for p in g["params"])))
+config = dist.deepspeed_config(dist.BatchSizes(2, 1, info.world_size), stage, gradient_clipping=clip)
+engine = dist.initialize(model, config, opt)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+g = torch.Generator().manual_seed(1)
+norms = []
+for _ in range(3):
+    ids = torch.randint(2, 500, (info.world_size, 2, 12), generator=g)  # every rank draws all; each takes its own
+    loss = engine(input_ids=ids[info.rank]).logits.pow(2).sum() * 10
+    engine.backward(loss)
+    engine.step()
+    ref_opt.zero_grad()  # the plain reference: the mean over ranks of each rank's loss, dense, torch's clip
+    (sum(ref(input_ids=ids[r]).logits.pow(2).sum() * 10 for r in range(info.world_size)) / info.world_size).backward()
+    norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)) if clip else 0.0)
+    ref_opt.step()
+diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(engine.module.parameters(), ref.parameters()))
+moved = {n: (p.detach() - q.detach()).abs().max().item()
+         for (n, p), q in zip(ref.named_parameters(), start.parameters()) if "k_proj.bias" not in n}  # gradient 0
+tied = OPTForCausalLM(cfg)
+dist.initialize(tied, config, dist.make_optimizer([{"params": list(tied.parameters())}], lr=1e-2, offload=False))
+print("RESULT", json.dumps({"sparse": model.get_input_embeddings().sparse, "sparse_at_step": any(sparse_seen), "diff": diff, "norms": norms,
+                            "moved": moved, "tied_sparse": tied.get_input_embeddings().sparse,
+                            "position_sparse": model.model.decoder.embed_positions.sparse}))
+"""
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_zero0_sparse_embedding_grads_and_clipping_take_the_dense_steps(stage, tmp_path):
+    """Two ranks, fp32: at ZeRO-0 the word-embedding table gets sparse gradients (all-gathered by
+    DeepSpeed, made dense before the optimizer) and the non-finite guard clips with its own norm;
+    the parameters after three clipped SGD steps (a linear read-out of the gradients) equal a dense
+    single-process reference (the mean of the ranks' losses, torch's clip_grad_norm_) to float32
+    rounding, and no sparse gradient reaches the optimizer. ZeRO-2 keeps dense gradients
+    and DeepSpeed's clipping, and reaches the same parameters. A table tied to the LM head and the
+    position table stay dense."""
+    import json
+
+    from tests.launch import run_ranks
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_SPARSE_PROBE)
+    out = run_ranks([str(probe), str(stage), "0.5"], nprocs=2, timeout=300)
+    res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT")).split(" ", 1)[1])
+    assert res["sparse"] is (stage == 0)
+    assert res["tied_sparse"] is False and res["position_sparse"] is False
+    assert min(res["norms"]) > 0.5  # every step was clipped
+    assert min(res["moved"].values()) > 1e-5, res["moved"]  # the steps changed every parameter tensor
+    assert res["sparse_at_step"] is False
+    assert res["diff"] < 1e-6, res

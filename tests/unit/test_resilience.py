@@ -53,6 +53,17 @@ def test_plain_optimizer_skips_a_nonfinite_step_and_keeps_its_state():
     assert opt.overflow is True and torch.equal(w.detach(), after_good)
 
 
+def test_plain_optimizer_clips_to_max_norm_with_the_guards_norm():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = skip_nonfinite_steps(torch.optim.SGD([w], lr=1.0), max_norm=1.0)
+    w.grad = torch.tensor([3.0, 4.0])  # norm 5: scaled by 1 / (5 + 1e-6), DeepSpeed's and torch's rule
+    opt.step()
+    assert torch.allclose(w.detach(), torch.tensor([1.0 - 0.6, 2.0 - 0.8]), atol=1e-6)
+    w.grad = torch.tensor([0.3, 0.4])  # norm 0.5 < 1: unchanged
+    opt.step()
+    assert torch.allclose(w.detach(), torch.tensor([0.1, 0.8]), atol=1e-6)
+
+
 @pytest.mark.parametrize("interval,total,due", [(2, 7, [2, 4, 6]), (3, 6, [3]), (0, 5, [])])
 def test_checkpoint_is_due_every_interval_but_not_after_the_last_step(interval, total, due):
     ckpt = LoopCheckpoints(types.SimpleNamespace(save_interval=interval, max_nonfinite_steps=10), {})
