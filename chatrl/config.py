@@ -187,6 +187,10 @@ class PPOConfig:
     gamma: float = setting(1.0, "discount factor of GAE")
     lam: float = setting(0.95, "lambda of GAE")
     whiten_advantages: bool = setting(False, "normalise advantages over the buffer's answer tokens")
+    separate_experience_pass: bool = setting(
+        False, "run the actor's and critic's experience forwards even when the rollout batch is one training "
+               "micro-batch (by default the first training pass's forwards give the same old log-probs and "
+               "values, saving two forward passes per rollout batch): the plain path, for checks")
     penalty_no_eos: float = setting(0.0, "subtracted from the score of answers without EOS")
     unsup_coef: float = setting(27.8, "PTX loss coefficient (with --unsupervised_dataset_name)")
     enable_ema: bool = setting(False, "keep an exponential moving average of the actor (saved as actor_ema/)")

@@ -8,7 +8,10 @@ part only, ``(B, A)``, aligned with the generated token they score). The numbere
 1. every forward pass runs with dropout off (``eval()``), training passes included, so the first
    PPO epoch has ratio exactly 1 and KL(actor‖reference) exactly 0 when they are equal; the
    experience pass runs on the same micro-batches as the training pass so even floating-point
-   summation order agrees;
+   summation order agrees. When a rollout batch is one training micro-batch, the actor's and
+   critic's experience passes are not run at all: the first training pass's own forwards give
+   the old log-probs and values (the weights have not moved since the rollout), and the rewards
+   and advantages are computed between that forward and the loss (:meth:`PPOTrainer.train_first_pass`);
 3. the action mask covers the generated tokens up to and including the first EOS; tokens after it
    are overwritten with pad and masked everywhere;
 8. every rank makes the same number of optimizer steps whatever its answers: the experience
@@ -39,26 +42,28 @@ class Experience:
     their first EOS. Per-token fields are ``(B, A)``: ``action_mask``, ``logp`` (actor),
     ``ref_logp``, ``values`` (critic, V(state before token j)), ``kl`` (per-token KL estimate),
     ``rewards``, ``advantages``, ``returns``, ``entropy`` (actor, nats). ``scores`` ``(B,)``: the
-    reward function's scores before clipping (penalty included).
+    reward function's scores before clipping (penalty included). ``logp``, ``values``, ``entropy``,
+    ``kl``, ``rewards``, ``advantages`` and ``returns`` are ``None`` until the first training pass
+    fills them when that pass is also the experience's (:meth:`PPOTrainer.train_first_pass`).
     """
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     prompt_len: int
     action_mask: torch.Tensor
-    logp: torch.Tensor
+    logp: torch.Tensor | None
     ref_logp: torch.Tensor
-    values: torch.Tensor
-    kl: torch.Tensor
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    entropy: torch.Tensor
+    values: torch.Tensor | None
+    kl: torch.Tensor | None
+    rewards: torch.Tensor | None
+    advantages: torch.Tensor | None
+    returns: torch.Tensor | None
+    entropy: torch.Tensor | None
     scores: torch.Tensor
 
     def rows(self, idx: slice) -> Experience:
         """The rollouts ``idx`` (a slice of the batch dimension) as a new Experience."""
-        return Experience(**{f.name: (getattr(self, f.name)[idx] if f.name != "prompt_len" else self.prompt_len)
+        return Experience(**{f.name: (v[idx] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                              for f in fields(self)})
 
 
@@ -125,22 +130,33 @@ class PPOTrainer:
         t_gen = time.time() - t0
         P = prompt_ids.shape[1]
         seq, mask, action_mask = self.mask_answers(prompt_ids, prompt_mask, seq)
+        deferred = self.first_pass_is_experience(seq.shape[0])
 
         parts = {k: [] for k in ("logp", "ref_logp", "values", "entropy")}
         for i in range(0, seq.shape[0], self.mb):
             s, m = seq[i:i + self.mb], mask[i:i + self.mb]
-            logp, entropy = core.logprobs_and_entropy(answer_logits(self.actor, s, m, P), s[:, P:])
-            parts["logp"].append(logp)
-            parts["entropy"].append(entropy)
+            if not deferred:
+                logp, entropy = core.logprobs_and_entropy(answer_logits(self.actor, s, m, P), s[:, P:])
+                parts["logp"].append(logp)
+                parts["entropy"].append(entropy)
+                parts["values"].append(answer_values(self.critic, s, m, P))
             parts["ref_logp"].append(core.logprobs_from_logits(answer_logits(self.reference, s, m, P), s[:, P:]))
-            parts["values"].append(answer_values(self.critic, s, m, P))
-        out = {k: torch.cat(v) for k, v in parts.items()}
+        out = {k: torch.cat(v) if v else None for k, v in parts.items()}
         scores = self.score(seq, mask, P)
-        rewards, kl, advantages, returns = self.estimate_advantages(scores, out["logp"], out["ref_logp"],
-                                                                    out["values"], action_mask)
+        rewards = kl = advantages = returns = None
+        if not deferred:
+            rewards, kl, advantages, returns = self.estimate_advantages(scores, out["logp"], out["ref_logp"],
+                                                                        out["values"], action_mask)
         exp = Experience(seq, mask, P, action_mask, out["logp"], out["ref_logp"], out["values"], kl, rewards,
                          advantages, returns, out["entropy"], scores)
         return exp, {"time/generate": t_gen, "time/experience": time.time() - t0 - t_gen}
+
+    def first_pass_is_experience(self, rollouts: int) -> bool:
+        """Whether the actor's and critic's experience passes are left to the first training pass: the
+        rollout batch (``rollouts`` per rank, the same on every rank) is one training micro-batch, so
+        the first PPO step's forwards see exactly the experience pass's weights and inputs (detail 1),
+        unless ``--separate_experience_pass`` asks for the plain path."""
+        return rollouts <= self.mb and not self.s.separate_experience_pass
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """The reward of each rollout ``(B,)``: ``score_fn`` minus ``penalty_no_eos`` for answers without EOS."""
@@ -163,19 +179,43 @@ class PPOTrainer:
             advantages = core.masked_whiten(advantages, action_mask)
         return rewards, kl, advantages, returns
 
-    def train_actor(self, exp: Experience) -> dict:
-        """One PPO-clip step of the actor on ``exp`` (one micro-batch)."""
-        logits = answer_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
-        logp = core.logprobs_from_logits(logits, exp.sequences[:, exp.prompt_len:])
+    def train_first_pass(self, exp: Experience) -> dict:
+        """The first PPO step on a one-micro-batch ``exp`` whose actor and critic passes were deferred.
+
+        The actor's and critic's training forwards give the old log-probs, entropy and values (detached:
+        the same numbers the experience passes would give, so the ratio is exactly 1); the KL-shaped
+        rewards, GAE and returns are then computed and filled into ``exp`` before the two losses, as
+        :meth:`make_experience` does otherwise. Saves one actor and one critic forward per rollout
+        batch; both graphs are alive until the actor's backward (peak memory: two activations sets).
+        """
+        answer = exp.sequences[:, exp.prompt_len:]
+        logp, entropy = core.logprobs_and_entropy(
+            answer_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len), answer)
+        values = answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
+        exp.logp, exp.entropy, exp.values = logp.detach(), entropy.detach(), values.detach()
+        del entropy
+        with torch.no_grad():
+            exp.rewards, exp.kl, exp.advantages, exp.returns = self.estimate_advantages(
+                exp.scores, exp.logp, exp.ref_logp, exp.values, exp.action_mask)
+        return {**self.train_actor(exp, logp), **self.train_critic(exp, values)}
+
+    def train_actor(self, exp: Experience, logp: torch.Tensor | None = None) -> dict:
+        """One PPO-clip step of the actor on ``exp`` (one micro-batch); ``logp`` ``(B, A)``: the actor's
+        log-probs from a forward already run on it (:meth:`train_first_pass`), else computed here."""
+        if logp is None:
+            logits = answer_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
+            logp = core.logprobs_from_logits(logits, exp.sequences[:, exp.prompt_len:])
         loss, stats = core.actor_loss(logp, exp.logp, exp.advantages, exp.action_mask, self.s.cliprange)
         self.actor.backward(loss)
         self.actor.step()
         self._after_actor_step()
         return {"actor_loss": loss.detach(), **stats}
 
-    def train_critic(self, exp: Experience) -> dict:
-        """One clipped value-loss step of the critic on ``exp`` (one micro-batch)."""
-        values = answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
+    def train_critic(self, exp: Experience, values: torch.Tensor | None = None) -> dict:
+        """One clipped value-loss step of the critic on ``exp`` (one micro-batch); ``values`` ``(B, A)``
+        as ``logp`` in :meth:`train_actor`."""
+        if values is None:
+            values = answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
         loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value)
         self.critic.backward(loss)
         self.critic.step()
@@ -205,8 +245,11 @@ class PPOTrainer:
         ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
         for _ in range(self.s.ppo_epochs):
             for i in range(0, exp.sequences.shape[0], self.mb):
-                part = exp.rows(slice(i, i + self.mb))
-                stats = {**self.train_actor(part), **self.train_critic(part)}
+                if exp.logp is None:  # the experience's actor and critic passes are this first step's forwards
+                    stats = self.train_first_pass(exp)
+                else:
+                    part = exp.rows(slice(i, i + self.mb))
+                    stats = {**self.train_actor(part), **self.train_critic(part)}
                 if ptx_iter is not None:
                     stats.update(self.train_ptx(next(ptx_iter)))
                 for k, v in stats.items():

@@ -64,22 +64,22 @@ def main():
         return 5.0 * hits.sum(1).float() / m.sum(1).clamp(min=1)
 
     first = {}
-    make_experience, train_actor = run.trainer.make_experience, run.trainer.train_actor
+    learn, train_actor = run.trainer.learn, run.trainer.train_actor
 
-    def first_experience(*xs):  # records the first experience's exactness, then steps aside
-        exp, times = make_experience(*xs)
-        if not first:
+    def first_learn(exp, *xs):  # records the first experience's exactness (filled in by now on either path)
+        out = learn(exp, *xs)
+        if "max_abs_kl" not in first:
             first.update(max_abs_kl=exp.kl[exp.action_mask > 0].abs().max().item(),
                          logp_equals_ref=bool(torch.equal(exp.logp * exp.action_mask, exp.ref_logp * exp.action_mask)))
-        return exp, times
+        return out
 
-    def first_actor_step(exp):  # the first micro-batch of the first PPO epoch: ratio exactly 1
-        stats = train_actor(exp)
+    def first_actor_step(exp, *xs):  # the first micro-batch of the first PPO epoch: ratio exactly 1
+        stats = train_actor(exp, *xs)
         if "ratio_mean" not in first:
             first.update({k: float(stats[k]) for k in ("ratio_mean", "clip_frac", "approx_kl")})
         return stats
 
-    run.trainer.make_experience, run.trainer.train_actor = first_experience, first_actor_step
+    run.trainer.learn, run.trainer.train_actor = first_learn, first_actor_step
     train(run, score_fn=score_fn)
     if info.is_main:
         rows = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "kl" in r]

@@ -23,6 +23,29 @@ def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path):
     assert max(kl) < 8.0, kl  # seen: at most 4.2 nats per answer with beta 0.3
 
 
+def test_first_training_pass_as_experience_matches_the_separate_passes(tmp_path):
+    """The default path (one micro-batch per rollout batch: the first training step's forwards give the
+    old log-probs and values) against --separate_experience_pass (the actor's and critic's own
+    experience forwards), 3 steps of 2 PPO epochs on 2 ranks, ZeRO-0 with the hybrid engine: every
+    logged figure of every step agrees to float32 rounding, and both first epochs have ratio 1."""
+    rows, first = {}, {}
+    for name, extra in {"fused": [], "separate": ["--", "--separate_experience_pass"]}.items():
+        result = tmp_path / f"{name}.json"
+        run_ranks(["tests/stages/ppo_worker.py", str(result), str(tmp_path / name), "--steps", "3", "--zero", "0",
+                   "--hybrid", *extra], timeout=600)
+        res = json.loads(result.read_text())
+        rows[name], first[name] = res["rows"], res["first"]
+    keys = ["reward/score_mean", "kl", "entropy", "actor_loss", "critic_loss", "ratio_mean", "approx_kl",
+            "explained_variance", "reward/mean"]
+    assert len(rows["fused"]) == len(rows["separate"]) == 3
+    for a, b in zip(rows["fused"], rows["separate"], strict=True):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], abs=1e-6, rel=1e-5), (a["step"], k, a[k], b[k])
+    assert first["separate"]["ratio_mean"] == 1.0 and first["separate"]["max_abs_kl"] == 0.0
+    assert first["fused"]["ratio_mean"] == 1.0 and first["fused"]["max_abs_kl"] == 0.0
+    assert rows["fused"][0]["time/experience"] < rows["separate"][0]["time/experience"]
+
+
 @pytest.mark.slow
 def test_release_inference_cache_frees_the_copy_during_training(tmp_path):
     """Actor (and critic) under ZeRO-3 on 2 ranks with the hybrid engine: with
