@@ -166,9 +166,26 @@ def _launch(cmd: list[str], env: dict, marker: str, log: Path, timeout: float) -
     return wall, {f"rank{k}": round(v, 1) for k, v in sorted(peaks.items())}
 
 
+def _chatrl_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def warm_deepspeed_ops() -> None:
+    """Build (or load) DeepSpeed's CPU shared-memory op in the launches' environment before any timed run.
+
+    Every DeepSpeed process on CPU loads ``deepspeed_shm_comm`` through torch's extension JIT; its
+    cache is keyed by the build command, which depends on the environment (PATH), so the first
+    launch after a process with another environment rebuilds it: 17 s on this machine, measured in
+    the first launch of a side-by-side run. A user pays that once per environment; here it would
+    land on whichever mode happens to run first.
+    """
+    subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                   env=_chatrl_env(), cwd=REPO, check=True, capture_output=True)
+
+
 def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = _chatrl_env()
     cmd = ["deepspeed", "--num_gpus", "2", "--module", "chatrl.step3_ppo",
            "--actor_model_name_or_path", setup["sft"], "--critic_model_name_or_path", setup["rm"],
            "--data_path", setup["prompts"], "--data_split", "0,0,10", "--data_output_path", str(out / "cache"),
@@ -222,6 +239,7 @@ def side_by_side(a) -> dict:
         work = Path(a.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         setup = make_side_by_side_setup(work, a)
+        warm_deepspeed_ops()
         for rep in range(a.repeats):
             for m in modes:  # interleaved: every mode sees the same load, repeat after repeat
                 out = work / f"{m}_{rep}"
