@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -176,12 +177,16 @@ def warm_deepspeed_ops() -> None:
 
     Every DeepSpeed process on CPU loads ``deepspeed_shm_comm`` through torch's extension JIT; its
     cache is keyed by the build command, which depends on the environment (PATH), so the first
-    launch after a process with another environment rebuilds it: 17 s on this machine, measured in
-    the first launch of a side-by-side run. A user pays that once per environment; here it would
+    launch after a process with another environment (or interpreter path) rebuilds it: 17 s on this
+    machine, measured in the first launch of a side-by-side run. The warm-up runs the interpreter the
+    ``deepspeed`` launcher starts the ranks with. A user pays that once per environment; here it would
     land on whichever mode happens to run first.
     """
-    subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                   env=_chatrl_env(), cwd=REPO, check=True, capture_output=True)
+    env = _chatrl_env()
+    launcher = shutil.which("deepspeed", path=env["PATH"])
+    python = Path(launcher).read_text().splitlines()[0].removeprefix("#!").strip()  # what the ranks run
+    subprocess.run([python, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                   env=env, cwd=REPO, check=True, capture_output=True)
 
 
 def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
