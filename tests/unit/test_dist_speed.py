@@ -139,7 +139,8 @@ tied = OPTForCausalLM(cfg)
 dist.initialize(tied, config, dist.make_optimizer([{"params": list(tied.parameters())}], lr=1e-2, offload=False))
 print("RESULT", json.dumps({"sparse": model.get_input_embeddings().sparse, "sparse_at_step": any(sparse_seen), "diff": diff, "norms": norms,
                             "moved": moved, "tied_sparse": tied.get_input_embeddings().sparse,
-                            "position_sparse": model.model.decoder.embed_positions.sparse}))
+                            "position_sparse": model.model.decoder.embed_positions.sparse}), flush=True)
+dist.shutdown()  # gloo's threads stopped before the interpreter exits (else an occasional abort at exit)
 """
 
 
