@@ -130,6 +130,11 @@ class ZeroConfig:
     offload_reference_model: bool = setting(False, "the frozen reference model's parameters on CPU (with ZeRO-3; "
                                                    "step 3 and DPO)")
     offload_reward_model: bool = setting(False, "step 3: reward model's parameters on CPU (with ZeRO-3)")
+    partition_frozen_models: str = setting(
+        "auto", "ZeRO-3 partitioning of the frozen reference / reward / EMA models beside a ZeRO-3 model: "
+        "'always' (DeepSpeed-Chat's rule; every forward all-gathers them), 'never' (a whole copy per rank), "
+        "'auto' (whole unless a model's weights exceed 1/8 of a rank's device memory, or it is offloaded)",
+        choices=("auto", "always", "never"))
     local_rank: int = setting(-1, "set by the DeepSpeed launcher; ignore")
 
 

@@ -481,6 +481,53 @@ def _stub_deepspeed_muon() -> None:
             sys.modules[name] = stub
 
 
+FROZEN_WHOLE_FRACTION = 1 / 8  # 'auto': a frozen model stays whole up to this share of a rank's device memory
+
+
+def frozen_zero_stage(trained_stage: int, model: torch.nn.Module, partition: str = "auto",
+                      offload: bool = False) -> int:
+    """The ZeRO stage of a frozen model (reference, reward, EMA) that runs beside a trained one.
+
+    A frozen model has no gradients or optimizer states, so ZeRO stages 1–2 hold nothing of it: the
+    choice is a whole copy per rank (stage 0) or partitioned parameters (stage 3) that every forward
+    all-gathers, layer by layer. Partitioning saves ``(1 - 1/world) × weights`` per rank and costs a
+    collective per layer and forward (on two CPU ranks over gloo, the larger benchmark actor's
+    experience phase took 13.2 s partitioned against 7.2 s whole: ``docs/performance.md``). The
+    numbers computed are the same either way (ZeRO-3 gathers the same weights before each layer).
+
+    Args:
+        trained_stage: ZeRO stage (0–3) of the trained model this one sits beside (the actor for the
+            reference and EMA, the critic for the reward model).
+        model: the frozen model (whole, not yet wrapped); its parameter bytes are what is weighed.
+        partition: ``--partition_frozen_models``: ``always`` (DeepSpeed-Chat's rule: stage 3 whenever
+            the trained model is at stage 3), ``never``, or ``auto``: stage 3 only when the weights
+            exceed :data:`FROZEN_WHOLE_FRACTION` of one rank's device memory (a GPU's memory; on CPU
+            the node's memory divided by its ranks).
+        offload: the model's ``--offload_*_model`` flag; parameter offload needs stage 3.
+
+    Returns:
+        0 or 3. Stage 0 whenever ``trained_stage < 3`` (as before: only ZeRO-3 users asked for
+        partitioned parameters).
+
+    Raises:
+        ValueError: an unknown ``partition``.
+    """
+    if partition not in ("auto", "always", "never"):
+        raise ValueError(f"--partition_frozen_models must be auto, always or never, got {partition!r}")
+    if trained_stage != 3:
+        return 0
+    if offload or partition == "always":
+        return 3
+    if partition == "never":
+        return 0
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    memory = acc.total_memory() / (local_world_size() if acc.device_name() == "cpu" else 1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 3 if weights > FROZEN_WHOLE_FRACTION * memory else 0
+
+
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """``deepspeed.initialize`` with chatrl's defaults; returns the engine.
 

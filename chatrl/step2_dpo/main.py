@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_lora_args(p)
     cli.add_data_args(p, max_seq_len=512)
     cli.add_optim_args(p, lr=5e-6)
-    config.add_block(p, config.ZeroConfig, only=("zero_stage", "offload", "offload_reference_model", "local_rank"))
+    config.add_block(p, config.ZeroConfig, only=("zero_stage", "offload", "offload_reference_model",
+                                                 "partition_frozen_models", "local_rank"))
     cli.add_log_args(p)
     cli.add_checkpoint_args(p)
     config.add_block(p, DPOConfig, title="DPO")

@@ -121,7 +121,8 @@ def build_reference(kind: str, args, initial_model, policy_engine, batch, info) 
 
     if kind != "copy":
         return ReferenceLogps(kind, info.device, policy=policy_engine if kind == "adapters_disabled" else None)
-    stage = 3 if args.zero_stage == 3 else 0
+    stage = dist.frozen_zero_stage(args.zero_stage, initial_model, args.partition_frozen_models,
+                                   args.offload_reference_model)
     if args.offload_reference_model and stage != 3:
         log.info("--offload_reference_model applies under ZeRO-3; the reference stays on %s", info.device)
     model = initial_model

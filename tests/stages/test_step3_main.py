@@ -1,5 +1,6 @@
-"""The step-3 program end to end over 2 CPU ranks: LoRA actor under ZeRO-3 with the hybrid engine,
-EMA, PTX loss, the metrics log, a non-finite step skipped, and the three HF folders it saves."""
+"""The step-3 program end to end over 2 CPU ranks: LoRA actor under ZeRO-3 with the hybrid engine, a
+ZeRO-3-partitioned reference, EMA, PTX loss, the metrics log, a non-finite step skipped, and the three
+HF folders it saves."""
 
 import json
 import math
@@ -33,6 +34,7 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
                "--per_device_training_batch_size", "4", "--max_steps", "3", "--actor_zero_stage", "3",
                "--critic_zero_stage", "2", "--enable_hybrid_engine", "--actor_lora_dim", "4",
                "--actor_learning_rate", "1e-3", "--num_warmup_steps", "0", "--enable_ema",
+               "--partition_frozen_models", "always",  # the reference partitioned, as DeepSpeed-Chat does
                "--unsupervised_dataset_name", str(DATA / "alpaca-instructions[0:64]"), "--unsup_coef", "0.5",
                "--print_answers", "--print_answers_interval", "1", "--debug_nonfinite_steps", "2",
                "--output_dir", str(out),

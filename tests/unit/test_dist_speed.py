@@ -167,3 +167,64 @@ def test_zero0_sparse_embedding_grads_and_clipping_take_the_dense_steps(stage, t
     assert min(res["moved"].values()) > 1e-5, res["moved"]  # the steps changed every parameter tensor
     assert res["sparse_at_step"] is False
     assert res["diff"] < 1e-6, res
+
+
+def test_frozen_models_are_partitioned_only_beside_zero3_and_when_large(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    model = torch.nn.Linear(100, 10)  # 1,010 fp32 parameters: 4,040 bytes
+    acc = get_accelerator()
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    for memory, expect in ((8 * 4040 * 2, 0), (8 * 4040 * 2 - 16, 3)):  # whole up to 1/8 of memory / 2 ranks
+        monkeypatch.setattr(type(acc), "total_memory", lambda self, device_index=None, m=memory: m)
+        assert dist.frozen_zero_stage(3, model, "auto") == expect, memory
+        assert [dist.frozen_zero_stage(s, model, "auto") for s in (0, 1, 2)] == [0, 0, 0]  # no partitions asked for
+    assert dist.frozen_zero_stage(3, model, "always") == 3 and dist.frozen_zero_stage(2, model, "always") == 0
+    assert dist.frozen_zero_stage(3, model, "never") == 0
+    assert dist.frozen_zero_stage(3, model, "never", offload=True) == 3  # parameter offload needs ZeRO-3
+    with pytest.raises(ValueError, match="--partition_frozen_models"):
+        dist.frozen_zero_stage(3, model, "sometimes")
+
+
+_FROZEN_PROBE = r"""
+import copy, json, sys
+import torch
+from transformers import OPTConfig, OPTForCausalLM
+from chatrl import dist
+info = dist.init_distributed()
+cfg = OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+                max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0)
+torch.manual_seed(0)
+model = OPTForCausalLM(cfg).eval().requires_grad_(False)
+batch = dist.BatchSizes(2, 1, info.world_size)
+engines = {}
+for partition in ("never", "always"):
+    stage = dist.frozen_zero_stage(3, model, partition)
+    engines[partition] = dist.initialize(copy.deepcopy(model), dist.deepspeed_config(batch, stage, inference=True))
+ids = torch.randint(2, 500, (2, 12), generator=torch.Generator().manual_seed(info.rank))
+mask = torch.ones_like(ids)
+mask[0, :3] = 0  # a left-padded row
+with torch.no_grad():
+    logits = {k: e(input_ids=ids, attention_mask=mask).logits for k, e in engines.items()}
+print("RESULT", json.dumps({"diff": (logits["never"] - logits["always"]).abs().max().item(),
+                            "scale": logits["never"].abs().max().item(),
+                            "partitioned": {k: any(hasattr(p, "ds_tensor") for p in e.module.parameters())
+                                            for k, e in engines.items()}}), flush=True)
+dist.shutdown()
+"""
+
+
+def test_a_whole_frozen_model_computes_what_the_partitioned_one_does(tmp_path):
+    """Two ranks: the same frozen causal LM kept whole (``--partition_frozen_models never``) and ZeRO-3
+    partitioned (``always``, DeepSpeed-Chat's rule) gives the same logits on a left-padded batch."""
+    import json
+
+    from tests.launch import run_ranks
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_FROZEN_PROBE)
+    out = run_ranks([str(probe)], nprocs=2, timeout=300)
+    res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT")).split(" ", 1)[1])
+    assert res["partitioned"] == {"never": False, "always": True}
+    assert res["scale"] > 0.01 and res["diff"] < 1e-6, res
+
