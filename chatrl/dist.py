@@ -99,7 +99,7 @@ def gloo_reduce_scatter_by_all_reduce() -> bool:
     """Make DeepSpeed's reduce-scatter an all-reduce when the backend is gloo.
 
     gloo's ring all-reduce is much faster on CPU than its reduce-scatter of the same bytes (2 ranks
-    here, fp32, ``bench/collectives.py``: 204 MB all-reduced in 87 ms, reduce-scattered in 207 ms;
+    here, fp32, ``bench/collectives.py``: 204 MB all-reduced in 97 ms, reduce-scattered in 205 ms;
     from about 1 MB up, all-reduce wins). ZeRO-3 reduce-scatters every gradient bucket; on the
     larger benchmark actor the switch took step 3's ZeRO-3 training phase from 6.4 to 5.9 s per step
     (``docs/performance.md``). Exact: the input ``(world·n,)`` is all-reduced in place and this rank's
@@ -542,9 +542,11 @@ def frozen_zero_stage(trained_stage: int, model: torch.nn.Module, partition: str
     A frozen model has no gradients or optimizer states, so ZeRO stages 1–2 hold nothing of it: the
     choice is a whole copy per rank (stage 0) or partitioned parameters (stage 3) that every forward
     all-gathers, layer by layer. Partitioning saves ``(1 - 1/world) × weights`` per rank and costs a
-    collective per layer and forward (on two CPU ranks over gloo, the larger benchmark actor's
-    experience phase took 13.2 s partitioned against 7.2 s whole: ``docs/performance.md``). The
-    numbers computed are the same either way (ZeRO-3 gathers the same weights before each layer).
+    collective per layer and forward (on two CPU ranks over gloo, step 3's experience phase on the
+    larger benchmark actor took 1.65 s per step partitioned against 0.95 s whole:
+    ``docs/performance.md``). The numbers computed are the same either way (ZeRO-3 gathers the same
+    weights before each layer). A collective when a process group is up (the ranks' answers are
+    combined, so that all choose alike): call it on every rank.
 
     Args:
         trained_stage: ZeRO stage (0–3) of the trained model this one sits beside (the actor for the
@@ -576,7 +578,8 @@ def frozen_zero_stage(trained_stage: int, model: torch.nn.Module, partition: str
     acc = get_accelerator()
     memory = acc.total_memory() / (local_world_size() if acc.device_name() == "cpu" else 1)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 3 if weights > FROZEN_WHOLE_FRACTION * memory else 0
+    large = torch.tensor(float(weights > FROZEN_WHOLE_FRACTION * memory), device=acc.current_device_name())
+    return 3 if all_reduce_max(large).item() else 0  # every rank must choose alike (devices may differ)
 
 
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
