@@ -17,6 +17,7 @@ all-reduce of the same bytes, per size. Interpret only on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -34,7 +35,7 @@ def _args(argv=None):
     ap.add_argument("--sizes_mb", type=float, nargs="+", default=[0.25, 1, 4, 16, 52, 104, 204],
                     help="full-tensor sizes, MB (fp32)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2, help="ranks on this machine (torchrun)")
     return ap.parse_args(argv)
 
 
@@ -44,7 +45,8 @@ def _measure(args) -> None:
 
     from chatrl import dist
 
-    info = dist.init_distributed()
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op loader prints there; stdout is the JSON
+        info = dist.init_distributed()
     torch_dist = torch.distributed
 
     def timed(fn) -> float:
@@ -62,10 +64,10 @@ def _measure(args) -> None:
         n = int(mb * 1e6 / 4) // info.world_size
         full, part = torch.randn(n * info.world_size), torch.randn(n)
         ms = {
-            "all_reduce": timed(lambda: torch_dist.all_reduce(full)),
-            "reduce_scatter_tensor": timed(lambda: torch_dist.reduce_scatter_tensor(part, full)),
-            "all_gather_into_tensor": timed(lambda: torch_dist.all_gather_into_tensor(full, part)),
-            "deepspeed_reduce_scatter_fn": timed(lambda: comm.reduce_scatter_fn(part, full)),
+            "all_reduce": timed(lambda f=full: torch_dist.all_reduce(f)),
+            "reduce_scatter_tensor": timed(lambda f=full, p=part: torch_dist.reduce_scatter_tensor(p, f)),
+            "all_gather_into_tensor": timed(lambda f=full, p=part: torch_dist.all_gather_into_tensor(f, p)),
+            "deepspeed_reduce_scatter_fn": timed(lambda f=full, p=part: comm.reduce_scatter_fn(p, f)),
         }
         rows.append({"mb": round(n * info.world_size * 4 / 1e6, 2), "ms": {k: round(v, 2) for k, v in ms.items()},
                      "vs_all_reduce": {k: round(v / ms["all_reduce"], 2) for k, v in ms.items()}})

@@ -131,10 +131,10 @@ class ZeroConfig:
                                                    "step 3 and DPO)")
     offload_reward_model: bool = setting(False, "step 3: reward model's parameters on CPU (with ZeRO-3)")
     partition_frozen_models: str = setting(
-        "auto", "ZeRO-3 partitioning of the frozen reference / reward / EMA models beside a ZeRO-3 model: "
+        "auto", "beside a ZeRO-3 model, ZeRO-3-partition the frozen reference (and step 3's reward model): "
         "'always' (DeepSpeed-Chat's rule; every forward all-gathers them), 'never' (a whole copy per rank), "
-        "'auto' (whole unless a model's weights exceed 1/8 of a rank's device memory, or it is offloaded)",
-        choices=("auto", "always", "never"))
+        "'auto' (whole unless its weights exceed 1/8 of a rank's device memory); --offload_reference_model / "
+        "--offload_reward_model always partition their model", choices=("auto", "always", "never"))
     local_rank: int = setting(-1, "set by the DeepSpeed launcher; ignore")
 
 

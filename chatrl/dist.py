@@ -96,16 +96,23 @@ class _DoneWork:
 
 
 def gloo_reduce_scatter_by_all_reduce() -> bool:
-    """Make DeepSpeed's reduce-scatter an all-reduce when the backend is gloo.
+    """Make DeepSpeed's reduce-scatter an all-reduce when the backend is gloo on a single node.
 
     gloo's ring all-reduce is much faster on CPU than its reduce-scatter of the same bytes (2 ranks
-    here, fp32, ``bench/collectives.py``: 204 MB all-reduced in 97 ms, reduce-scattered in 205 ms;
-    from about 1 MB up, all-reduce wins). ZeRO-3 reduce-scatters every gradient bucket; on the
-    larger benchmark actor the switch took step 3's ZeRO-3 training phase from 6.4 to 5.9 s per step
-    (``docs/performance.md``). Exact: the input ``(world·n,)`` is all-reduced in place and this rank's
-    slot is the reduce-scatter's output ``(n,)``, the same sum. The input is consumed, as DeepSpeed's
-    ZeRO gradient path already treats it (it pre-divides it in place and reads only the output).
-    (gloo's all-gather, by contrast, beats all-reduce at ZeRO-3's per-layer sizes, so it stays.)
+    on one node, fp32, ``bench/collectives.py``: 204 MB all-reduced in 97 ms, reduce-scattered in
+    205 ms; 4 MB: 1.6 against 6.7 ms; below about 1 MB the two are within a fraction of a
+    millisecond). ZeRO-3 reduce-scatters every gradient bucket; on the larger benchmark actor the
+    switch took step 3's ZeRO-3 training phase from 6.33 / 6.49 to 5.91 / 5.94 s per step in two
+    interleaved pairs (``bench/results/step3_h512_ab_2026-12-01_s6.json``). The input ``(world·n,)``
+    is all-reduced in place and this rank's slot becomes the output ``(n,)``: the same sum (bit for bit
+    on two ranks; with more, the two collectives may add in another order, within float rounding).
+
+    Unlike torch's reduce-scatter, the input is overwritten, for every caller of
+    ``deepspeed.comm``'s reduce-scatter in the process: DeepSpeed's ZeRO gradient path treats it as
+    scratch already (it pre-divides it in place and reads only the output); chatrl has no other
+    caller. Across nodes an all-reduce moves twice a reduce-scatter's bytes over the network, so
+    multi-node jobs keep gloo's reduce-scatter. gloo's all-gather is kept too: up to 16 MB, ZeRO-3's
+    per-layer sizes, it takes 0.76–1.27× an all-reduce's time.
 
     Installed on DeepSpeed's communication backend (``deepspeed.comm``) by :func:`init_distributed`;
     idempotent; NCCL and other backends are left alone. Returns True when installed.
@@ -115,7 +122,8 @@ def gloo_reduce_scatter_by_all_reduce() -> bool:
     cdb = comm.comm.cdb
     if getattr(cdb, "_chatrl_reduce_scatter", False):
         return True
-    if cdb is None or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "gloo":
+    if (cdb is None or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "gloo"
+            or local_world_size() != get_world_size()):
         return False
     fallback = cdb.reduce_scatter_function
 
@@ -543,7 +551,7 @@ def frozen_zero_stage(trained_stage: int, model: torch.nn.Module, partition: str
     choice is a whole copy per rank (stage 0) or partitioned parameters (stage 3) that every forward
     all-gathers, layer by layer. Partitioning saves ``(1 - 1/world) × weights`` per rank and costs a
     collective per layer and forward (on two CPU ranks over gloo, step 3's experience phase on the
-    larger benchmark actor took 1.65 s per step partitioned against 0.95 s whole:
+    larger benchmark actor took 13.2 s per 8 steps partitioned against 8.1 s whole:
     ``docs/performance.md``). The numbers computed are the same either way (ZeRO-3 gathers the same
     weights before each layer). A collective when a process group is up (the ranks' answers are
     combined, so that all choose alike): call it on every rank.
@@ -551,16 +559,18 @@ def frozen_zero_stage(trained_stage: int, model: torch.nn.Module, partition: str
     Args:
         trained_stage: ZeRO stage (0–3) of the trained model this one sits beside (the actor for the
             reference and EMA, the critic for the reward model).
-        model: the frozen model (whole, not yet wrapped); its parameter bytes are what is weighed.
+        model: the frozen model, loaded whole and not yet wrapped by DeepSpeed (a model built under
+            ``deepspeed.zero.Init`` is already partitioned and would weigh nothing); its parameter
+            bytes are what is weighed.
         partition: ``--partition_frozen_models``: ``always`` (DeepSpeed-Chat's rule: stage 3 whenever
             the trained model is at stage 3), ``never``, or ``auto``: stage 3 only when the weights
             exceed :data:`FROZEN_WHOLE_FRACTION` of one rank's device memory (a GPU's memory; on CPU
             the node's memory divided by its ranks).
-        offload: the model's ``--offload_*_model`` flag; parameter offload needs stage 3.
+        offload: the model's ``--offload_*_model`` flag; parameter offload needs stage 3, so it
+            wins over ``never``.
 
     Returns:
-        0 or 3. Stage 0 whenever ``trained_stage < 3`` (as before: only ZeRO-3 users asked for
-        partitioned parameters).
+        0 or 3; always 0 when ``trained_stage < 3`` (partitioned parameters are ZeRO-3's).
 
     Raises:
         ValueError: an unknown ``partition``.
