@@ -101,6 +101,7 @@ class BatchConfig:
 
     per_device_train_batch_size: int = setting(4, "micro-batch per rank", unit="samples")
     per_device_eval_batch_size: int = setting(8, "eval batch per rank", unit="samples")
+    eval_iters: int = setting(0, "cap on eval batches per rank (0: whole eval split)", unit="batches")
 
 
 @dataclass

@@ -32,7 +32,6 @@ class SFTConfig:
     """Step 1."""
 
     include_prompt_loss: bool = setting(False, "also train on prompt tokens (off: loss over answer tokens only)")
-    eval_iters: int = setting(0, "cap on eval batches per rank (0: whole eval split)", unit="batches")
     eval_eos_samples: int = setting(0, "at the end, greedily answer this many eval prompts and report the share "
                                        "ending in EOS", unit="prompts")
     eval_max_new_tokens: int = setting(64, "answer budget of that EOS check", unit="tokens")

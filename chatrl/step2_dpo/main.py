@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_log_args(p)
     cli.add_checkpoint_args(p)
     config.add_block(p, DPOConfig, title="DPO")
-    config.add_block(p, SFTConfig, only=("eval_iters", "eval_eos_samples", "eval_max_new_tokens"),
+    config.add_block(p, SFTConfig, only=("eval_eos_samples", "eval_max_new_tokens"),
                      title="evaluation")
     return p
 

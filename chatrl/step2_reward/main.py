@@ -48,7 +48,6 @@ log = logging.getLogger("chatrl.step2")
 class RewardConfig:
     """Step 2."""
 
-    eval_iters: int = setting(0, "cap on eval batches per rank (0: whole eval split)", unit="batches")
     num_padding_at_beginning: int | None = setting(None, "accepted for DeepSpeed-Chat compatibility and ignored: the "
                                                          "end score is found from the attention mask, whatever the "
                                                          "padding", type=int)
