@@ -32,6 +32,29 @@ def _prepare_accelerator_env() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+STALE_BUILD_LOCK_S = 600.0  # a JIT build lock older than this is taken for a leftover of a killed build
+
+
+def stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """torch JIT-extension build locks older than ``max_age_s`` seconds (``lock`` files under
+    ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, one folder per extension).
+
+    On CPU, DeepSpeed JIT-builds its shared-memory communication op in every new environment, and
+    torch serialises the build with a lock file that only the building process removes. A process
+    killed while building (Ctrl-C at the first launch, a stopped test run) leaves the file, and every
+    later DeepSpeed process waits for it forever, silently. A build takes seconds to a few minutes,
+    so an old lock is a leftover; :func:`init_distributed` names it in a warning.
+    """
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's own rule
+    now = time.time()
+    return sorted(p for p in Path(root).glob("*/*/lock")
+                  if p.is_file() and now - p.stat().st_mtime > max_age_s)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -70,6 +93,10 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
 
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        for lock in stale_build_locks():  # DeepSpeed's CPU op build below would wait on it forever
+            log.warning("%s is older than %.0f min: a torch extension build was killed and left it; every "
+                        "DeepSpeed process waits on it. Delete it if no build is running.", lock,
+                        STALE_BUILD_LOCK_S / 60)
         deepspeed.init_distributed(
             dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False
         )

@@ -294,3 +294,19 @@ def test_gloo_reduce_scatter_by_all_reduce_is_exact(tmp_path):
     assert res["installed"] is True and res["zero3_calls"] >= 2  # ZeRO-3's gradients went through it
     assert res["diff"] == 0.0 and res["aliased_diff"] == 0.0, res
     assert res["moved"] > 1e-3 and res["params_diff"] < 1e-7, res
+
+
+def test_an_old_extension_build_lock_is_reported(tmp_path, monkeypatch):
+    """A torch JIT build lock left by a killed build makes every later DeepSpeed process wait forever;
+    locks older than the threshold are found (a fresh one, a build in progress, is not)."""
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old, fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "other" / "lock"
+    for f in (old, fresh):
+        f.parent.mkdir(parents=True)
+        f.touch()
+    stamp = time.time() - dist.STALE_BUILD_LOCK_S - 5
+    os.utime(old, (stamp, stamp))
+    assert dist.stale_build_locks() == [old]
+    assert dist.stale_build_locks(max_age_s=0.0) == sorted([old, fresh])
