@@ -86,8 +86,8 @@ def main():
         with open(a.result, "w") as f:
             json.dump({"reward": [r["reward/score_mean"] for r in rows], "kl": [r["kl"] for r in rows],
                        "rows": rows, "first": first, "timings": run.hybrid.timings}, f)
+    shutdown()  # with the engines still referenced (see step1_worker.py)
 
 
 if __name__ == "__main__":
     main()
-    shutdown()

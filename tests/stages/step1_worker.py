@@ -30,6 +30,10 @@ def main():
         live = causal_lm_logits(engine, ids, mask)
     trained = full_state_dict(engine.module)
     if not is_main():
+        # leave the group while the engine is still referenced: freeing a ZeRO-3 engine whose gloo
+        # prefetch all-gathers are in flight aborts the process ("terminate called without an
+        # active exception", seen once in CI while rank 0 was still checking the saved folder)
+        shutdown()
         return
     from transformers import AutoModelForCausalLM
 
@@ -58,8 +62,8 @@ def main():
         result.update(moved_base=moved_base, moved_lora=moved_lora)
     with open(out_path, "w") as f:
         json.dump(result, f)
+    shutdown()
 
 
 if __name__ == "__main__":
     main()
-    shutdown()
