@@ -112,6 +112,12 @@ def describe_eval(m: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run step 2; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
+    return run(argv)["metrics"]
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run step 2 and return ``{"metrics", "engine"}`` (the engine for the caller to keep until the
+    process group is shut down)."""
     args = cli.parse(build_parser(), argv)
     from transformers import get_scheduler, set_seed
 
@@ -223,14 +229,14 @@ def main(argv: list[str] | None = None) -> dict:
                 break
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
-            return metrics
+            return {"metrics": metrics, "engine": engine}
 
     tracker.close()
     save_reward_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:
         write_run_marker(args.output_dir, {"step": 2, "steps": step, "metrics": metrics,
                                                "initial_metrics": initial, "args": vars(args)})
-    return metrics
+    return {"metrics": metrics, "engine": engine}
 
 
 if __name__ == "__main__":
