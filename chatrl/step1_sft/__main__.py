@@ -1,9 +1,4 @@
-from chatrl.dist import shutdown
-from chatrl.resilience import report_failure
+from chatrl.resilience import run_program
 from chatrl.step1_sft.main import run
 
-# the engines stay referenced until the process group is shut down: a ZeRO-3 engine freed while its
-# gloo collectives are in flight can abort the process at the end of a finished run
-with report_failure():
-    result = run()
-    shutdown()
+run_program(run)

@@ -1,12 +1,12 @@
 from chatrl import cli
-from chatrl.dist import exit_now, shutdown
-from chatrl.resilience import report_failure
+from chatrl.resilience import run_program
 from chatrl.step3_ppo.main import build, build_parser, train
 
-# the engines stay referenced until the process group is shut down: a ZeRO-3 engine freed while its
-# gloo collectives are in flight can abort the process at the end of a finished run
-with report_failure():
+
+def _main():
     run = build(cli.parse(build_parser()))
     train(run)
-    shutdown()
-exit_now()
+    return run  # holds the engines (see run_program)
+
+
+run_program(_main)

@@ -21,6 +21,7 @@ import torch
 
 from chatrl import dist
 from chatrl.models import load_causal_lm, load_tokenizer
+from chatrl.resilience import run_program
 from chatrl.step2_dpo.main import run
 from chatrl.step2_dpo.reference import batch_logps
 from tests.conftest import DATA, STORIES
@@ -91,8 +92,8 @@ def main():
     out["lora_policy_diff"] = (now - want).abs().max().item()
     with open(result_path, "w") as f:
         json.dump(out, f)
-    dist.shutdown()
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

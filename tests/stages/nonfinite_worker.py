@@ -12,9 +12,8 @@ import sys
 import torch
 
 from chatrl import dist
-from chatrl.dist import shutdown
 from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
-from chatrl.resilience import NonFiniteError, NonFiniteGuard
+from chatrl.resilience import NonFiniteError, NonFiniteGuard, run_program
 
 
 def flat(engine) -> torch.Tensor:
@@ -80,5 +79,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    shutdown()
+    run_program(main)

@@ -19,8 +19,8 @@ import torch
 
 from chatrl import dist
 from chatrl.cli import parse
-from chatrl.dist import shutdown
 from chatrl.models import load_tokenizer
+from chatrl.resilience import run_program
 from chatrl.step2_reward.model import load_reward_model, save_reward_model
 from chatrl.step3_ppo.main import build, build_parser, train
 from chatrl.tracking import METRICS_FILE, read_metrics
@@ -86,8 +86,8 @@ def main():
         with open(a.result, "w") as f:
             json.dump({"reward": [r["reward/score_mean"] for r in rows], "kl": [r["kl"] for r in rows],
                        "rows": rows, "first": first, "timings": run.hybrid.timings}, f)
-    shutdown()  # with the engines still referenced (see step1_worker.py)
+    return run  # run_program leaves the group with the engines still referenced
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

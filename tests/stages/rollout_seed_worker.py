@@ -11,6 +11,7 @@ import torch
 
 import chatrl.step3_ppo.main as step3
 from chatrl import dist
+from chatrl.resilience import run_program
 
 
 def main():
@@ -39,5 +40,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    dist.shutdown()
+    run_program(main)

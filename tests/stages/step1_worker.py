@@ -10,8 +10,9 @@ import sys
 
 import torch
 
-from chatrl.dist import full_state_dict, is_main, shutdown
+from chatrl.dist import full_state_dict, is_main
 from chatrl.models import causal_lm_logits
+from chatrl.resilience import run_program
 from chatrl.step1_sft.main import run
 
 
@@ -30,11 +31,7 @@ def main():
         live = causal_lm_logits(engine, ids, mask)
     trained = full_state_dict(engine.module)
     if not is_main():
-        # leave the group while the engine is still referenced: freeing a ZeRO-3 engine whose gloo
-        # prefetch all-gathers are in flight aborts the process ("terminate called without an
-        # active exception", seen once in CI while rank 0 was still checking the saved folder)
-        shutdown()
-        return
+        return res  # run_program leaves the group with the engine still referenced
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(args.output_dir).eval()
@@ -62,8 +59,8 @@ def main():
         result.update(moved_base=moved_base, moved_lora=moved_lora)
     with open(out_path, "w") as f:
         json.dump(result, f)
-    shutdown()
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)
