@@ -39,8 +39,9 @@ def stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
     """torch JIT-extension build locks older than ``max_age_s`` seconds (``lock`` files under
     ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, one folder per extension).
 
-    On CPU, DeepSpeed JIT-builds its shared-memory communication op in every new environment, and
-    torch serialises the build with a lock file that only the building process removes. A process
+    DeepSpeed JIT-builds its C++ ops at their first use in every new environment (on CPU: its CPU
+    Adam, used with ``--offload``), and torch serialises the build with a lock file that only the
+    building process removes. A process
     killed while building (Ctrl-C at the first launch, a stopped test run) leaves the file, and every
     later DeepSpeed process waits for it forever, silently. A build takes seconds to a few minutes,
     so an old lock is a leftover; :func:`init_distributed` names it in a warning.
@@ -53,6 +54,26 @@ def stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
     now = time.time()
     return sorted(p for p in Path(root).glob("*/*/lock")
                   if p.is_file() and now - p.stat().st_mtime > max_age_s)
+
+
+def _skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed's communication backend from loading its CPU shared-memory op (once per process).
+
+    On the CPU accelerator, DeepSpeed's torch backend loads ``deepspeed_shm_comm`` when it is created:
+    a C++ op JIT-built in every new environment (minutes of compiling at a first launch, under a
+    lock that a killed build leaves behind, see :func:`stale_build_locks`), whose initialisation
+    maps a 66 MiB ``/dev/shm/deepspeed_allreduce_buffer_<addr>_<port>_<rank>`` file per rank that
+    DeepSpeed 0.19 never unlinks: each run on a new port left 132 MiB of RAM taken until reboot
+    (22 GiB of this machine's 24 GiB after a day of test runs). The op serves only
+    ``deepspeed.comm.inference_all_reduce`` (DeepSpeed's inference kernels, which chatrl does not
+    use: the hybrid engine's tensor parallelism runs torch's collectives); without it DeepSpeed
+    takes its own path for an op it cannot build, gloo. Replaces ``deepspeed.comm.torch.build_shm_op``
+    by a function returning None; has no effect on CUDA, where the op does not exist.
+    """
+    import importlib
+
+    backend = importlib.import_module("deepspeed.comm.torch")
+    backend.build_shm_op = lambda: None
 
 
 def free_port() -> int:
@@ -93,10 +114,11 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
 
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        for lock in stale_build_locks():  # DeepSpeed's CPU op build below would wait on it forever
+        for lock in stale_build_locks():  # a DeepSpeed op built later (CPU Adam) would wait on it forever
             log.warning("%s is older than %.0f min: a torch extension build was killed and left it; every "
                         "DeepSpeed process waits on it. Delete it if no build is running.", lock,
                         STALE_BUILD_LOCK_S / 60)
+        _skip_deepspeed_shm_op()
         deepspeed.init_distributed(
             dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False
         )

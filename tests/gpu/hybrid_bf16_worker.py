@@ -17,6 +17,7 @@ import torch
 from chatrl import dist as cdist
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.models import load_causal_lm, load_tokenizer
+from chatrl.resilience import run_program
 from tests.stages.hybrid_worker import prompts, reference_model
 
 
@@ -61,5 +62,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    cdist.shutdown()
+    run_program(main)

@@ -34,7 +34,7 @@ def test_nccl_process_group_and_all_reduce(tmp_path):
         "t = torch.ones(4, device=info.device)\n"
         "s = dist.all_reduce_sum(t)\n"
         "print('NCCL', torch.distributed.get_backend(), info.device.type, s.sum().item())\n"
-        "dist.shutdown()\n")
+        "dist.shutdown()\ndist.exit_now()\n")
     proc = _gpu([str(script)])
     assert "NCCL nccl cuda 4.0" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 

@@ -140,7 +140,8 @@ dist.initialize(tied, config, dist.make_optimizer([{"params": list(tied.paramete
 print("RESULT", json.dumps({"sparse": model.get_input_embeddings().sparse, "sparse_at_step": any(sparse_seen), "diff": diff, "norms": norms,
                             "moved": moved, "tied_sparse": tied.get_input_embeddings().sparse,
                             "position_sparse": model.model.decoder.embed_positions.sparse}), flush=True)
-dist.shutdown()  # gloo's threads stopped before the interpreter exits (else an occasional abort at exit)
+dist.shutdown()  # gloo's threads stopped, then no interpreter teardown (it can abort: chatrl.resilience.run_program)
+dist.exit_now()
 """
 
 
@@ -211,6 +212,7 @@ print("RESULT", json.dumps({"diff": (logits["never"] - logits["always"]).abs().m
                             "partitioned": {k: any(hasattr(p, "ds_tensor") for p in e.module.parameters())
                                             for k, e in engines.items()}}), flush=True)
 dist.shutdown()
+dist.exit_now()
 """
 
 
@@ -237,6 +239,10 @@ from chatrl import dist
 info = dist.init_distributed()
 cdb = comm.comm.cdb
 installed = bool(getattr(cdb, "_chatrl_reduce_scatter", False))
+import os
+shm_files = [f for f in os.listdir("/dev/shm") if f"_{os.environ['MASTER_PORT']}_" in f]  # DeepSpeed's shm op's
+summed = torch.full((5,), 1.0 + info.rank)
+comm.inference_all_reduce(summed)  # the op's one user (in place): falls back to gloo
 g = torch.Generator().manual_seed(7 + info.rank)
 x = torch.randn(2 * 1003, generator=g)
 plain = torch.empty(1003)
@@ -271,18 +277,21 @@ slow = zero3_steps(start)
 cdb.reduce_scatter_function = patched
 if info.rank == 0:  # full_state_dict gathers to rank 0
     print("RESULT", json.dumps({
-        "installed": installed, "zero3_calls": len(calls), "diff": (out - plain).abs().max().item(),
+        "installed": installed, "zero3_calls": len(calls), "shm_op": cdb.shm_comm_op is not None,
+        "shm_files": shm_files, "inference_all_reduce": summed.tolist(), "diff": (out - plain).abs().max().item(),
         "aliased_diff": (slot - plain).abs().max().item(),
         "params_diff": max((fast[k] - slow[k]).abs().max().item() for k in fast),
         "moved": max((fast[k] - v).abs().max().item() for k, v in initial.items() if k in fast)}), flush=True)
 dist.shutdown()
+dist.exit_now()
 """
 
 
 def test_gloo_reduce_scatter_by_all_reduce_is_exact(tmp_path):
     """Two gloo ranks: DeepSpeed's reduce-scatter, made an all-reduce by chatrl, equals torch's gloo
     reduce-scatter (also when the output is the input's own slot, asynchronously), and two ZeRO-3
-    SGD steps reach the same parameters with either."""
+    SGD steps reach the same parameters with either. DeepSpeed's shared-memory op is not loaded
+    (no /dev/shm buffer for the job's port) and its one user, inference_all_reduce, still sums."""
     import json
 
     from tests.launch import run_ranks
@@ -294,6 +303,7 @@ def test_gloo_reduce_scatter_by_all_reduce_is_exact(tmp_path):
     assert res["installed"] is True and res["zero3_calls"] >= 2  # ZeRO-3's gradients went through it
     assert res["diff"] == 0.0 and res["aliased_diff"] == 0.0, res
     assert res["moved"] > 1e-3 and res["params_diff"] < 1e-7, res
+    assert res["shm_op"] is False and res["shm_files"] == [] and res["inference_all_reduce"] == [3.0] * 5, res
 
 
 def test_an_old_extension_build_lock_is_reported(tmp_path, monkeypatch):
