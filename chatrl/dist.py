@@ -18,8 +18,10 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -264,6 +266,26 @@ def exit_now(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_program(main: Callable[[], object]) -> NoReturn:
+    """Run a step program (``python -m chatrl.step…``) on this rank, then end the process.
+
+    ``main()`` does the whole step and returns whatever holds its DeepSpeed engines; they stay
+    referenced while the process group is shut down (:func:`shutdown`, all ranks), and
+    the process then ends with :func:`exit_now` (exit code 0) without the interpreter's
+    teardown. Both matter at the end of a finished run on gloo: freeing a ZeRO-3 engine with
+    collectives in flight, or letting the interpreter's exit destroy the backend's threads, can
+    abort the process ("terminate called without an active exception", signal 6) after all its
+    output is written, and the launcher then reports the step as failed. An exception is reported
+    by :func:`chatrl.resilience.report_failure` and propagates (the interpreter exits non-zero as usual).
+    """
+    from chatrl.resilience import report_failure
+
+    with report_failure():
+        result = main()  # noqa: F841  (referenced until the process ends)
+        shutdown()
+    exit_now(0)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

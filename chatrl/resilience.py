@@ -21,8 +21,6 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
-from typing import NoReturn
 
 import torch
 
@@ -141,26 +139,6 @@ def set_progress(step_name: str | None = None, optimizer_step: int | None = None
         _PROGRESS["step"] = step_name
     if optimizer_step is not None:
         _PROGRESS["optimizer_step"] = optimizer_step
-
-
-def run_program(main: Callable[[], object]) -> NoReturn:
-    """Run a step program (``python -m chatrl.step…``) on this rank, then end the process.
-
-    ``main()`` does the whole step and returns whatever holds its DeepSpeed engines; they stay
-    referenced while the process group is shut down (:func:`chatrl.dist.shutdown`, all ranks), and
-    the process then ends with :func:`chatrl.dist.exit_now` (exit code 0) without the interpreter's
-    teardown. Both matter at the end of a finished run on gloo: freeing a ZeRO-3 engine with
-    collectives in flight, or letting the interpreter's exit destroy the backend's threads, can
-    abort the process ("terminate called without an active exception", signal 6) after all its
-    output is written, and the launcher then reports the step as failed. An exception is reported
-    by :func:`report_failure` and propagates (the interpreter exits non-zero as usual).
-    """
-    from chatrl.dist import exit_now, shutdown
-
-    with report_failure():
-        result = main()  # noqa: F841  (referenced until the process ends)
-        shutdown()
-    exit_now(0)
 
 
 @contextlib.contextmanager

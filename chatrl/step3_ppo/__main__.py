@@ -1,5 +1,5 @@
 from chatrl import cli
-from chatrl.resilience import run_program
+from chatrl.dist import run_program
 from chatrl.step3_ppo.main import build, build_parser, train
 
 

@@ -15,9 +15,9 @@ import json
 import torch
 
 from chatrl import dist as cdist
+from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.models import load_causal_lm, load_tokenizer
-from chatrl.resilience import run_program
 from tests.stages.hybrid_worker import prompts, reference_model
 
 

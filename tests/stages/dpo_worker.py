@@ -20,8 +20,8 @@ import sys
 import torch
 
 from chatrl import dist
+from chatrl.dist import run_program
 from chatrl.models import load_causal_lm, load_tokenizer
-from chatrl.resilience import run_program
 from chatrl.step2_dpo.main import run
 from chatrl.step2_dpo.reference import batch_logps
 from tests.conftest import DATA, STORIES

@@ -17,10 +17,10 @@ import warnings
 import torch
 
 from chatrl import dist as cdist
+from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine, HybridEngineFallbackWarning
 from chatrl.hybrid_engine.inference_copy import release_host_memory
 from chatrl.models import LoraSettings, apply_lora, base_model, load_causal_lm, load_tokenizer
-from chatrl.resilience import run_program
 
 TOL = 1e-4
 

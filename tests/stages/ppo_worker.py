@@ -19,8 +19,8 @@ import torch
 
 from chatrl import dist
 from chatrl.cli import parse
+from chatrl.dist import run_program
 from chatrl.models import load_tokenizer
-from chatrl.resilience import run_program
 from chatrl.step2_reward.model import load_reward_model, save_reward_model
 from chatrl.step3_ppo.main import build, build_parser, train
 from chatrl.tracking import METRICS_FILE, read_metrics

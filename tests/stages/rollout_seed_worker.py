@@ -11,7 +11,7 @@ import torch
 
 import chatrl.step3_ppo.main as step3
 from chatrl import dist
-from chatrl.resilience import run_program
+from chatrl.dist import run_program
 
 
 def main():

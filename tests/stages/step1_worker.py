@@ -10,9 +10,8 @@ import sys
 
 import torch
 
-from chatrl.dist import full_state_dict, is_main
+from chatrl.dist import full_state_dict, is_main, run_program
 from chatrl.models import causal_lm_logits
-from chatrl.resilience import run_program
 from chatrl.step1_sft.main import run
 
 
