@@ -78,6 +78,7 @@ def _worker(argv) -> None:
 
     from chatrl import dist as cdist
     from chatrl.hybrid_engine import HybridEngine
+    from chatrl.sizes import BatchSizes
 
     args = _args(argv)
     info = cdist.init_distributed()
@@ -88,7 +89,7 @@ def _worker(argv) -> None:
                     do_layer_norm_before=True, dropout=0.0, pad_token_id=1, eos_token_id=2, bos_token_id=2)
     model = OPTForCausalLM(cfg).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
-    config = cdist.deepspeed_config(cdist.BatchSizes(args.batch, 1, info.world_size), zero_stage=3, dtype=args.dtype)
+    config = cdist.deepspeed_config(BatchSizes(args.batch, 1, info.world_size), zero_stage=3, dtype=args.dtype)
     engine = cdist.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-5))
     gen = torch.Generator().manual_seed(1 + info.rank)
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt_tokens), generator=gen)

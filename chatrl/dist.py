@@ -2,28 +2,27 @@
 
 Step code calls these functions and never branches on the backend: initialisation (NCCL on GPUs,
 gloo with ``DS_ACCELERATOR=cpu`` elsewhere, a one-process group when started without a launcher),
-the DeepSpeed config with every derived batch size computed and checked here, engine creation,
-cross-rank reductions, and saving HF-format checkpoints (ZeRO-3 partitions gathered, LoRA merged,
-safetensors, written atomically).
+the DeepSpeed config (from the batch sizes of :mod:`chatrl.sizes`), engine creation and
+cross-rank reductions. Gathering ZeRO-3 weights and saving HF-format checkpoints is
+:mod:`chatrl.weights`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import datetime
 import logging
 import math
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
+
+if TYPE_CHECKING:
+    from chatrl.sizes import BatchSizes
 
 log = logging.getLogger(__name__)
 
@@ -353,157 +352,6 @@ def resident_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@dataclass(frozen=True)
-class BatchSizes:
-    """Every batch size of a run, derived and checked in one place.
-
-    ``global_batch = per_device_batch × gradient_accumulation_steps × world_size`` samples per
-    optimizer step.
-    """
-
-    per_device_batch: int
-    gradient_accumulation_steps: int
-    world_size: int
-
-    def __post_init__(self):
-        for name in ("per_device_batch", "gradient_accumulation_steps", "world_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def global_batch(self) -> int:
-        return self.per_device_batch * self.gradient_accumulation_steps * self.world_size
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The length of a step-1/2 run in optimizer steps, derived and checked by :func:`plan_steps`."""
-
-    steps_per_epoch: int
-    total_steps: int
-    num_warmup_steps: int
-
-
-def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epochs: int, max_steps: int,
-               num_warmup_steps: int, what: str = "samples") -> StepPlan:
-    """Optimizer steps of steps 1-2: ``n_batches`` micro-batches per rank and epoch (a loader's
-    length), ``batch.gradient_accumulation_steps`` per step; the epoch's trailing partial step is
-    dropped. ``max_steps`` (> 0) caps the total.
-
-    Raises:
-        ValueError: no full optimizer step per epoch, or a warm-up not shorter than the run (naming
-            the flags and a fix).
-    """
-    steps_per_epoch = n_batches // batch.gradient_accumulation_steps
-    if steps_per_epoch == 0:
-        raise ValueError(f"{n_samples} training {what} give no full optimizer step of global batch "
-                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
-    total = steps_per_epoch * num_train_epochs
-    if max_steps:
-        total = min(total, max_steps)
-    _check_warmup(num_warmup_steps, total, "optimizer steps")
-    return StepPlan(steps_per_epoch, total, num_warmup_steps)
-
-
-def _check_warmup(num_warmup_steps: int, total: int, unit: str) -> None:
-    if num_warmup_steps < 0 or (num_warmup_steps and num_warmup_steps >= total):
-        raise ValueError(f"--num_warmup_steps {num_warmup_steps} must be >= 0 and shorter than the run "
-                         f"({total} {unit}); lower --num_warmup_steps or train longer (--num_train_epochs, --max_steps)")
-
-
-@dataclass(frozen=True)
-class PPOPlan:
-    """Every derived size of a step-3 run, checked by :func:`plan_ppo`. Per rank unless said.
-
-    One *experience buffer* (a training step of step 3) is ``generation_batches`` generation
-    batches of ``per_device_generation_batch_size`` prompts; each generation batch is learned
-    from in ``ppo_epochs`` passes of ``micro_batches_per_generation`` micro-batches of
-    ``per_device_training_batch_size`` rollouts.
-    """
-
-    buffers_per_epoch: int
-    total_buffers: int
-    rollouts_per_buffer: int  # all ranks
-    micro_batches_per_generation: int
-    micro_batches_per_buffer: int  # PPO micro-batches per buffer, PPO epochs included
-    critic_steps: int  # optimizer steps of the critic over the run (0: critic-free)
-    actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
-    num_warmup_steps: int
-
-
-def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
-             per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
-             gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: int,
-             ptx: bool, rl_algorithm: str = "ppo", num_samples_per_prompt: int = 1) -> PPOPlan:
-    """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
-
-    Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
-    one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts.
-    A critic-free ``rl_algorithm`` (grpo, rloo, reinforce_pp) learns from the whole buffer at once:
-    its optimizer steps must not straddle PPO epochs (their loss normaliser is counted per step
-    before the first backward pass, ``critic_free.step_normalizers``), it makes no critic step,
-    and grpo/rloo need ``N >= 2``.
-
-    The PTX loss (``--unsupervised_dataset_name``) adds one actor micro-step after every PPO
-    micro-batch, so the actor makes twice the critic's optimizer steps; its learning-rate schedule
-    is sized for that (Ouyang et al., 2022, eq. 2 mixes the two losses per step).
-
-    Raises:
-        ValueError: a size below 1, an inexact division (a generation batch not made of whole
-            micro-batches; a buffer not made of whole optimizer steps), no full buffer per epoch, or
-            a warm-up not shorter than the run; the message names the flags and a fix.
-    """
-    for flag, v in (("per_device_generation_batch_size", per_device_generation_batch_size),
-                    ("per_device_training_batch_size", per_device_training_batch_size),
-                    ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
-                    ("gradient_accumulation_steps", gradient_accumulation_steps),
-                    ("num_train_epochs", num_train_epochs)):
-        if v < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {v}")
-    critic_free = rl_algorithm != "ppo"
-    if rl_algorithm not in ("ppo", "grpo", "rloo", "reinforce_pp"):
-        raise ValueError(f"--rl_algorithm {rl_algorithm!r}: choose ppo, grpo, rloo or reinforce_pp")
-    if num_samples_per_prompt < 1:
-        raise ValueError(f"--num_samples_per_prompt must be >= 1, got {num_samples_per_prompt}")
-    if rl_algorithm in ("grpo", "rloo") and num_samples_per_prompt < 2:
-        raise ValueError(f"--rl_algorithm {rl_algorithm} needs --num_samples_per_prompt >= 2 (a group of one answer "
-                         f"has no baseline), got {num_samples_per_prompt}")
-    per_generation = per_device_generation_batch_size * num_samples_per_prompt
-    if per_generation % per_device_training_batch_size:
-        times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
-                   if num_samples_per_prompt > 1 else "")
-        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
-                         f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
-                         "batch must split into whole PPO micro-batches; make the generation batch a multiple of the "
-                         "training one")
-    micro_per_gen = per_generation // per_device_training_batch_size
-    micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
-    if critic_free and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
-        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
-                         f"{generation_batches * micro_per_gen} micro-batches of one pass over a {rl_algorithm} buffer "
-                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
-                         "batch): an optimizer step would straddle two passes; choose a divisor")
-    if micro_per_buffer % gradient_accumulation_steps:
-        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
-                         f"{micro_per_buffer} PPO micro-batches of an experience buffer (--generation_batches "
-                         f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
-                         "generation batch): an optimizer step would straddle two buffers; choose a divisor")
-    buffers_per_epoch = n_generation_batches // generation_batches
-    if buffers_per_epoch == 0:
-        raise ValueError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
-                         f"{per_device_generation_batch_size} per rank x {world_size} ranks; lower "
-                         "--per_device_generation_batch_size or --generation_batches")
-    total = buffers_per_epoch * num_train_epochs
-    if max_steps:
-        total = min(total, max_steps)
-    policy_steps = total * micro_per_buffer // gradient_accumulation_steps
-    actor_steps = policy_steps * (2 if ptx else 1)
-    critic_steps = 0 if critic_free else policy_steps
-    _check_warmup(num_warmup_steps, policy_steps, "actor optimizer steps" if critic_free else "critic optimizer steps")
-    return PPOPlan(buffers_per_epoch, total, generation_batches * per_generation * world_size,
-                   micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps)
-
-
 def deepspeed_config(
     batch: BatchSizes,
     zero_stage: int = 0,
@@ -741,139 +589,3 @@ def _densify_after_allreduce(engine, weights: list[torch.nn.Parameter]) -> None:
                 w.grad = w.grad.to_dense()
 
     engine.allreduce_gradients = allreduce_then_densify
-
-
-def _is_zero3_param(p: torch.Tensor) -> bool:
-    return hasattr(p, "ds_id")
-
-
-@contextlib.contextmanager
-def gathered(params, modifier_rank: int | None = None):
-    """Gather ZeRO-3 partitioned ``params`` for the duration of the block (no-op for plain tensors).
-
-    With ``modifier_rank`` set, edits that rank makes are scattered back on exit.
-    """
-    params = [p for p in params if _is_zero3_param(p)]
-    if not params:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-        yield
-
-
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full (un-partitioned) state dict of ``module`` on CPU, on rank 0; ``{}`` on other ranks.
-
-    Every rank must call it (ZeRO-3 gathers are collectives). Parameters are gathered one module
-    at a time so that peak memory stays at one layer's worth above the partitions.
-    """
-    out: dict[str, torch.Tensor] = {}
-    main = is_main()
-    for prefix, sub in module.named_modules():
-        tensors = {**dict(sub.named_parameters(recurse=False)),
-                   **{k: b for k, b in sub.named_buffers(recurse=False)
-                      if k not in sub._non_persistent_buffers_set}}
-        if not tensors:
-            continue
-        with gathered(list(tensors.values())):
-            if main:
-                for k, t in tensors.items():
-                    out[f"{prefix}.{k}" if prefix else k] = t.detach().to("cpu", copy=True)
-    return out
-
-
-def _merged_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor]):
-    """Rebuild ``module``'s HF model from ``state`` on CPU, with LoRA adapters merged by peft.
-
-    The result has the input model's architecture: tied input/output embeddings stay tied (one
-    shared matrix); ``module``'s own config and generation config are copied, never changed.
-    """
-    hf = module
-    peft_config = None
-    if hasattr(module, "peft_config"):
-        peft_config = module.peft_config["default"]
-        hf = module.get_base_model()
-    config = copy.deepcopy(hf.config)  # the export must not change the live model's config
-    with torch.device("meta"):
-        empty = type(hf)._from_config(config, dtype=next(iter(state.values())).dtype)
-    if getattr(hf, "generation_config", None) is not None:  # the stop ids set by models.fit_embeddings
-        empty.generation_config = copy.deepcopy(hf.generation_config)
-    if peft_config is not None:
-        from peft import get_peft_model
-
-        empty = get_peft_model(empty, peft_config)
-    empty.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        # assign=True put separate tensors in the tied slots; tie them again before peft's merge,
-        # which otherwise sees two matrices and unties the export (tie_word_embeddings: false)
-        (empty.get_base_model() if peft_config is not None else empty).tie_weights()
-    if peft_config is not None:
-        empty = empty.merge_and_unload()
-    missing = [n for n, p in empty.named_parameters() if p.is_meta]
-    if missing:
-        empty.tie_weights()
-        missing = [n for n, p in empty.named_parameters() if p.is_meta]
-    if missing:
-        raise RuntimeError(f"checkpoint is missing parameters: {missing[:5]}")
-    return empty
-
-
-def atomic_dir(final: str | os.PathLike):
-    """Context manager yielding a temporary folder beside ``final``, renamed onto it on success.
-
-    A crash mid-write leaves ``final`` as it was (or absent) and a ``.tmp-*`` folder that readers
-    ignore. An existing ``final`` is replaced only after the new one is complete.
-    """
-
-    @contextlib.contextmanager
-    def _cm():
-        final_path = Path(final)
-        final_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final_path.name}-", dir=final_path.parent))
-        try:
-            yield tmp
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        old = None
-        if final_path.exists():
-            old = final_path.with_name(f".old-{final_path.name}-{os.getpid()}")
-            os.replace(final_path, old)
-        os.replace(tmp, final_path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-    return _cm()
-
-
-def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike) -> None:
-    """Save ``module`` (an HF model, maybe peft-wrapped, maybe ZeRO-3 partitioned) as an HF folder.
-
-    All ranks must call it. Rank 0 gathers the full weights, merges LoRA, and writes
-    ``config.json``, ``model.safetensors`` (sharded if large) and the tokenizer into ``out_dir``,
-    which then loads with plain ``from_pretrained``. Files are written to a temporary folder first
-    and each is moved into place with an atomic rename; weight files of an earlier export that the
-    new one does not have are removed, other content of ``out_dir`` (logs, checkpoints) is kept.
-    """
-    state = full_state_dict(module)
-    if is_main():
-        model = _merged_hf_model(module, state)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=out))
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            new_files = {f.name for f in tmp.iterdir()}
-            for stale in out.glob("model*.safetensors*"):
-                if stale.name not in new_files:
-                    stale.unlink()
-            for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
-                os.replace(f, out / f.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info("saved HF model to %s", out)
-    barrier()

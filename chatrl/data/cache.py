@@ -23,6 +23,7 @@ from pathlib import Path
 from chatrl import dist
 from chatrl.data.examples import PHASE_COLUMNS
 from chatrl.data.report import SkipReport
+from chatrl.weights import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def load_or_build(phase: int, key: str, cache_dir: str,
     if dist.is_main() and not (final / "report.json").is_file():
         try:
             train, evals, report = build()
-            with dist.atomic_dir(final) as tmp, _quiet_datasets():
+            with atomic_dir(final) as tmp, _quiet_datasets():
                 for name, columns in (("train", train), ("eval", evals)):
                     if columns[PHASE_COLUMNS[phase][0]]:
                         to_hf_dataset(phase, columns).save_to_disk(str(tmp / name))

@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from chatrl.dist import gathered
 from chatrl.hybrid_engine.tp_plan import (
     SUPPORTED_FAMILIES,
     decoder_layers,
@@ -31,6 +30,7 @@ from chatrl.hybrid_engine.tp_plan import (
     shard_head_counts,
     tp_plan,
 )
+from chatrl.weights import gathered
 
 log = logging.getLogger(__name__)
 

@@ -130,7 +130,9 @@ def run(argv: list[str] | None = None) -> dict:
         optimizer_param_groups,
     )
     from chatrl.resilience import set_progress
+    from chatrl.sizes import BatchSizes, plan_steps
     from chatrl.step1_sft.loss import sft_nll
+    from chatrl.weights import save_hf_model
 
     check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
     set_progress("step 1 (SFT)")
@@ -153,9 +155,9 @@ def run(argv: list[str] | None = None) -> dict:
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
 
-    batch = dist.BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    plan = dist.plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
-                           args.num_warmup_steps, what="samples")
+    batch = BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
+    plan = plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
+                      args.num_warmup_steps, what="samples")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     optimizer = dist.make_optimizer(
         optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
@@ -229,7 +231,7 @@ def run(argv: list[str] | None = None) -> dict:
         tracker.log({"eval/eos_rate": rate}, step)
         tracker.write(f"greedy answers ending in EOS within {args.eval_max_new_tokens} tokens: {rate:.1%}")
     tracker.close()
-    dist.save_hf_model(engine.module, tokenizer, args.output_dir)
+    save_hf_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:
         write_run_marker(args.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
     return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}

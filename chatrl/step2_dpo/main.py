@@ -190,9 +190,11 @@ def run(argv: list[str] | None = None) -> dict:
         optimizer_param_groups,
     )
     from chatrl.resilience import set_progress
+    from chatrl.sizes import BatchSizes, plan_steps
     from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs
     from chatrl.step2_dpo.loss import DPOSettings
     from chatrl.step2_dpo.reference import build_reference, reference_kind
+    from chatrl.weights import save_hf_model
 
     try:
         settings = DPOSettings(**{f.name: getattr(args, f.name) for f in fields(DPOSettings)})
@@ -223,9 +225,9 @@ def run(argv: list[str] | None = None) -> dict:
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
 
-    batch = dist.BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    plan = dist.plan_steps(len(loader), len(train_pairs), batch, args.num_train_epochs, args.max_steps,
-                           args.num_warmup_steps, what="pairs")
+    batch = BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
+    plan = plan_steps(len(loader), len(train_pairs), batch, args.num_train_epochs, args.max_steps,
+                      args.num_warmup_steps, what="pairs")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     optimizer = dist.make_optimizer(
         optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
@@ -316,7 +318,7 @@ def run(argv: list[str] | None = None) -> dict:
         tracker.write(f"greedy answers ending in EOS within {args.eval_max_new_tokens} tokens: {rate:.1%}"
                       + (f" (before DPO: {before:.1%})" if before is not None else ""))
     tracker.close()
-    dist.save_hf_model(engine.module, tokenizer, args.output_dir)
+    save_hf_model(engine.module, tokenizer, args.output_dir)
     if info.is_main:
         write_run_marker(args.output_dir, {"step": "2-dpo", "steps": step, "metrics": metrics,
                                                "initial_metrics": initial, "args": vars(args)})

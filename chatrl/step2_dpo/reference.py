@@ -115,7 +115,7 @@ def build_reference(kind: str, args, initial_model, policy_engine, batch, info) 
         initial_model: for ``copy``, a deep copy of the policy taken right after loading (before
             LoRA and DeepSpeed); it becomes the frozen reference. Ignored otherwise.
         policy_engine: the policy's DeepSpeed engine (its module is peft-wrapped with LoRA).
-        batch: :class:`~chatrl.dist.BatchSizes` (the inference engine's config needs them).
+        batch: :class:`~chatrl.sizes.BatchSizes` (the inference engine's config needs them).
     """
     from chatrl import dist
 

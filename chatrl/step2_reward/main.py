@@ -132,6 +132,7 @@ def run(argv: list[str] | None = None) -> dict:
         optimizer_param_groups,
     )
     from chatrl.resilience import set_progress
+    from chatrl.sizes import BatchSizes, plan_steps
     from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
 
     check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
@@ -159,9 +160,9 @@ def run(argv: list[str] | None = None) -> dict:
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model.hf)
 
-    batch = dist.BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    plan = dist.plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
-                           args.num_warmup_steps, what="pairs")
+    batch = BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
+    plan = plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
+                      args.num_warmup_steps, what="pairs")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     optimizer = dist.make_optimizer(
         optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),

@@ -322,7 +322,7 @@ def save_reward_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike) -
     ``AutoModelForSequenceClassification.from_pretrained(out_dir, num_labels=1)`` and with
     :func:`load_reward_model` ``(require_head=True)``.
     """
-    from chatrl.dist import save_hf_model
+    from chatrl.weights import save_hf_model
 
     reward = getattr(model, "module", model)  # a DeepSpeed engine holds the module as .module
     if not isinstance(reward, RewardModel):

@@ -56,7 +56,7 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
     """Load and wrap the four (five) models.
 
     ``actor_steps``, ``critic_steps`` (default: the actor's): optimizer steps of each trained model
-    over the run (:class:`chatrl.dist.PPOPlan`), the horizon of its learning-rate schedule.
+    over the run (:class:`chatrl.sizes.PPOPlan`), the horizon of its learning-rate schedule.
     ``with_critic=False`` (a critic-free algorithm) builds no critic and no critic optimizer;
     ``with_reward_model=False`` (rewards from functions or URLs only) loads no reward model; the
     missing engines are ``None``.
@@ -64,9 +64,10 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
     critic_steps = actor_steps if critic_steps is None else critic_steps
     from chatrl import dist
     from chatrl.models import LoraSettings, apply_lora, enable_gradient_checkpointing, load_causal_lm
+    from chatrl.sizes import BatchSizes
     from chatrl.step2_reward.model import load_reward_model
 
-    batch = dist.BatchSizes(args.per_device_training_batch_size, args.gradient_accumulation_steps, info.world_size)
+    batch = BatchSizes(args.per_device_training_batch_size, args.gradient_accumulation_steps, info.world_size)
 
     actor = load_causal_lm(args.actor_model_name_or_path, tokenizer, args.dtype, dropout=args.actor_dropout,
                            trust_remote_code=args.trust_remote_code)

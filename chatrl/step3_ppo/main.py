@@ -149,7 +149,7 @@ class Step3Run:
     args: object
     info: object
     tokenizer: object
-    plan: object  # chatrl.dist.PPOPlan
+    plan: object  # chatrl.sizes.PPOPlan
     loader: object  # prompts, per_device_generation_batch_size per batch
     ptx_iter: object | None  # Cycle of PTX text batches (--unsupervised_dataset_name)
     engines: object  # chatrl.step3_ppo.engine.RLHFEngines
@@ -176,6 +176,7 @@ def build(args) -> Step3Run:
     from chatrl.data import PromptCollator, SFTCollator, build_phase_data
     from chatrl.models import check_context_window, load_tokenizer, sampling_settings, stop_token_ids
     from chatrl.resilience import set_progress
+    from chatrl.sizes import plan_ppo
     from chatrl.step3_ppo import core
     from chatrl.step3_ppo.critic_free_trainer import CriticFreeTrainer
     from chatrl.step3_ppo.engine import build_engines, check_tokenizers_compatible, seed_rollouts
@@ -203,11 +204,11 @@ def build(args) -> Step3Run:
     loader = dist.seeded_loader(data.train, args.per_device_generation_batch_size,
                                 PromptCollator(tokenizer.pad_token_id, with_metadata=critic_free),
                                 info, args.seed, drop_last=True)
-    plan = dist.plan_ppo(len(loader), len(data.train), info.world_size, args.per_device_generation_batch_size,
-                         args.per_device_training_batch_size, args.generation_batches, args.ppo_epochs,
-                         args.gradient_accumulation_steps, args.num_train_epochs, args.max_steps,
-                         args.num_warmup_steps, ptx=bool(args.unsupervised_dataset_name),
-                         rl_algorithm=args.rl_algorithm, num_samples_per_prompt=args.num_samples_per_prompt)
+    plan = plan_ppo(len(loader), len(data.train), info.world_size, args.per_device_generation_batch_size,
+                    args.per_device_training_batch_size, args.generation_batches, args.ppo_epochs,
+                    args.gradient_accumulation_steps, args.num_train_epochs, args.max_steps,
+                    args.num_warmup_steps, ptx=bool(args.unsupervised_dataset_name),
+                    rl_algorithm=args.rl_algorithm, num_samples_per_prompt=args.num_samples_per_prompt)
     ptx_iter = None
     if args.unsupervised_dataset_name:
         unsup = build_phase_data(1, args.unsupervised_dataset_name, tokenizer, data_split="10,0,0",
@@ -264,6 +265,7 @@ def train(run: Step3Run, score_fn=None) -> dict:
     from chatrl.resilience import nonfinite_scores, set_progress
     from chatrl.step2_reward.model import save_reward_model
     from chatrl.step3_ppo.trainer import summarize
+    from chatrl.weights import save_hf_model
 
     args, info, plan, trainer, tracker, ckpt = run.args, run.info, run.plan, run.trainer, run.tracker, run.ckpt
     engines, hybrid, kl_ctl, ptx_iter, tokenizer = run.engines, run.hybrid, run.kl_ctl, run.ptx_iter, run.tokenizer
@@ -360,11 +362,11 @@ def train(run: Step3Run, score_fn=None) -> dict:
             return metrics
     tracker.close()
     out = args.output_dir
-    dist.save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")
+    save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")
     if engines.critic is not None:
         save_reward_model(engines.critic.module, tokenizer, f"{out}/critic")
     if engines.ema is not None:
-        dist.save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema")
+        save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema")
     if info.is_main:
         write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(args)})
     return metrics

@@ -18,6 +18,7 @@ from chatrl import dist as cdist
 from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.models import load_causal_lm, load_tokenizer
+from chatrl.sizes import BatchSizes
 from tests.stages.hybrid_worker import prompts, reference_model
 
 
@@ -31,7 +32,7 @@ def main():
     torch.manual_seed(0)
     tok = load_tokenizer(args.model, padding_side="left")
     model = load_causal_lm(args.model, tok, dtype="bf16")
-    config = cdist.deepspeed_config(cdist.BatchSizes(2, 1, info.world_size), zero_stage=3, dtype="bf16")
+    config = cdist.deepspeed_config(BatchSizes(2, 1, info.world_size), zero_stage=3, dtype="bf16")
     engine = cdist.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-2))
     he = HybridEngine(engine, inference_tp_size=1)
     ids, mask = prompts(tok, info.rank, batch=4)

@@ -19,11 +19,11 @@ import sys
 
 import torch
 
-from chatrl import dist
 from chatrl.dist import run_program
 from chatrl.models import load_causal_lm, load_tokenizer
 from chatrl.step2_dpo.main import run
 from chatrl.step2_dpo.reference import batch_logps
+from chatrl.weights import full_state_dict
 from tests.conftest import DATA, STORIES
 
 
@@ -57,9 +57,9 @@ def main():
     res = run(_flags(work, "copy"))
     ref = res["reference"]
     out["copy_kind"] = ref.kind
-    out["copy_ref_identical"] = _same(dist.full_state_dict(ref.engine.module), start)
+    out["copy_ref_identical"] = _same(full_state_dict(ref.engine.module), start)
     out["copy_ref_requires_grad"] = any(p.requires_grad for p in ref.engine.module.parameters())
-    policy = dist.full_state_dict(res["engine"].module)
+    policy = full_state_dict(res["engine"].module)
     out["copy_policy_moved"] = not _same(policy, start)
     out["copy_losses"] = _losses(f"{work}/copy")
     out["copy_eval0_loss"] = [json.loads(x) for x in open(f"{work}/copy/logs/metrics.jsonl")][0]["eval/loss"]
@@ -71,7 +71,7 @@ def main():
     res = run(_flags(work, "lora", "--lora_dim", "8", "--only_optimize_lora", "--lora_learning_rate", "3e-2"))
     engine, ref = res["engine"], res["reference"]
     out["lora_kind"] = ref.kind
-    state = dist.full_state_dict(engine.module)
+    state = full_state_dict(engine.module)
     base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in state.items()
             if "lora_" not in k}
     out["lora_base_identical"] = _same(base, start)

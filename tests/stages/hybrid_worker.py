@@ -21,6 +21,8 @@ from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine, HybridEngineFallbackWarning
 from chatrl.hybrid_engine.inference_copy import release_host_memory
 from chatrl.models import LoraSettings, apply_lora, base_model, load_causal_lm, load_tokenizer
+from chatrl.sizes import BatchSizes
+from chatrl.weights import gathered
 
 TOL = 1e-4
 
@@ -31,7 +33,7 @@ def rss_bytes() -> int:
 
 
 def make_engine(model, zero_stage: int):
-    config = cdist.deepspeed_config(cdist.BatchSizes(2, 1, cdist.get_world_size()), zero_stage=zero_stage)
+    config = cdist.deepspeed_config(BatchSizes(2, 1, cdist.get_world_size()), zero_stage=zero_stage)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     return cdist.initialize(model, config, optimizer)
@@ -53,7 +55,7 @@ def load_actor(path: str, lora_dim: int, seed: int = 0):
 def reference_model(module):
     """A plain HF model holding the gathered training weights, LoRA merged with peft (all ranks)."""
     hf = base_model(module)
-    with cdist.gathered(list(module.parameters())):
+    with gathered(list(module.parameters())):
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     ref = type(hf)._from_config(hf.config, dtype=next(iter(state.values())).dtype)
     if hasattr(module, "peft_config"):

@@ -14,10 +14,12 @@ import torch
 from chatrl import dist
 from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
 from chatrl.resilience import NonFiniteError, NonFiniteGuard, run_program
+from chatrl.sizes import BatchSizes
+from chatrl.weights import full_state_dict
 
 
 def flat(engine) -> torch.Tensor:
-    state = dist.full_state_dict(engine.module)  # a collective under ZeRO-3: every rank calls it
+    state = full_state_dict(engine.module)  # a collective under ZeRO-3: every rank calls it
     return torch.cat([v.flatten() for v in state.values()]) if dist.is_main() else None
 
 
@@ -42,8 +44,8 @@ def main():
         model = load_causal_lm(model_dir, tok)
         opt = dist.make_optimizer(model.parameters(), lr=1e-2, offload=False)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        engine = dist.initialize(model, dist.deepspeed_config(dist.BatchSizes(2, 1, info.world_size), stage, False,
-                                                              "fp32", 1.0), opt, sched)
+        engine = dist.initialize(model, dist.deepspeed_config(BatchSizes(2, 1, info.world_size), stage, False,
+                                                         "fp32", 1.0), opt, sched)
         guard = NonFiniteGuard({"model": engine}, max_in_a_row=2)
 
         def train_step(poison: bool, engine=engine):

@@ -10,9 +10,10 @@ import sys
 
 import torch
 
-from chatrl.dist import full_state_dict, is_main, run_program
+from chatrl.dist import is_main, run_program
 from chatrl.models import causal_lm_logits
 from chatrl.step1_sft.main import run
+from chatrl.weights import full_state_dict
 
 
 def main():

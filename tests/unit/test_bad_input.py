@@ -17,6 +17,7 @@ from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
 from chatrl.cli import add_dist_args, add_model_args, new_parser, parse
 from chatrl.data import build_phase_data, load_samples
 from chatrl.models import LoraSettings, apply_lora, load_causal_lm, load_tokenizer, torch_dtype
+from chatrl.sizes import BatchSizes
 from tests.conftest import STORIES, TOKENIZERS
 
 
@@ -239,7 +240,7 @@ def test_lora_module_name_matching_nothing_names_flag_value_and_model(stories_to
 
 # 15 ----------------------------------------------------------------------------------------------
 def test_unknown_dtype_and_zero_stage_name_the_flag(capsys):
-    batch = dist.BatchSizes(2, 1, 1)
+    batch = BatchSizes(2, 1, 1)
     with pytest.raises(ValueError) as err:
         dist.deepspeed_config(batch, dtype="fp8")
     assert str(err.value) == "--dtype must be fp32, bf16 or fp16, got 'fp8'"

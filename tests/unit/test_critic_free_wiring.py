@@ -1,9 +1,9 @@
 """Step 3's critic-free wiring at parse and plan level: the flags, the derived sizes checked in
-dist.plan_ppo, the reward checks, and train.py skipping step 2 when no reward model is needed."""
+sizes.plan_ppo, the reward checks, and train.py skipping step 2 when no reward model is needed."""
 
 import pytest
 
-from chatrl import config, dist
+from chatrl import config, sizes
 from chatrl.step3_ppo.main import build_parser, check_reward_flags
 
 BASE = ["--actor_model_name_or_path", "a", "--data_path", "d", "--output_dir", "o"]
@@ -14,7 +14,7 @@ def plan(**kw):
                 per_device_training_batch_size=4, generation_batches=1, ppo_epochs=1, gradient_accumulation_steps=1,
                 num_train_epochs=1, max_steps=0, num_warmup_steps=0, ptx=False)
     args.update(kw)
-    return dist.plan_ppo(**args)
+    return sizes.plan_ppo(**args)
 
 
 def test_step3_flags_reach_the_ppo_block():

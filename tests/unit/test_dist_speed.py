@@ -55,12 +55,13 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
 import pytest
 import torch
 from chatrl import dist
+from chatrl.sizes import BatchSizes
 dist.init_distributed()
 stage = int(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
 opt = dist.make_optimizer([{"params": list(model.parameters()), "weight_decay": 0.0}], lr=1e-2, offload=False)
-engine = dist.initialize(model, dist.deepspeed_config(dist.BatchSizes(2, 1, 1), stage), opt)
+engine = dist.initialize(model, dist.deepspeed_config(BatchSizes(2, 1, 1), stage), opt)
 before = [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else None
 loss = engine(torch.randn(2, 8)).pow(2).sum()
 engine.backward(loss)
@@ -107,6 +108,7 @@ import copy, json, sys
 import torch
 from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 from chatrl import dist
+from chatrl.sizes import BatchSizes
 info = dist.init_distributed()
 stage, clip = int(sys.argv[1]), float(sys.argv[2])
 cfg = OPTConfig(vocab_size=500, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
@@ -118,7 +120,7 @@ opt = torch.optim.SGD(model.parameters(), lr=1.0)  # a linear read-out of the gr
 sparse_seen = []
 opt.register_step_pre_hook(lambda o, *_: sparse_seen.append(any(p.grad is not None and p.grad.is_sparse
                                                                     for g in o.param_groups for p in g["params"])))
-config = dist.deepspeed_config(dist.BatchSizes(2, 1, info.world_size), stage, gradient_clipping=clip)
+config = dist.deepspeed_config(BatchSizes(2, 1, info.world_size), stage, gradient_clipping=clip)
 engine = dist.initialize(model, config, opt)
 ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
 g = torch.Generator().manual_seed(1)
@@ -192,12 +194,13 @@ import copy, json, sys
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 from chatrl import dist
+from chatrl.sizes import BatchSizes
 info = dist.init_distributed()
 cfg = OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
                 max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0)
 torch.manual_seed(0)
 model = OPTForCausalLM(cfg).eval().requires_grad_(False)
-batch = dist.BatchSizes(2, 1, info.world_size)
+batch = BatchSizes(2, 1, info.world_size)
 engines = {}
 for partition in ("never", "always"):
     stage = dist.frozen_zero_stage(3, model, partition)
@@ -236,6 +239,8 @@ import copy, json
 import torch
 from deepspeed import comm
 from chatrl import dist
+from chatrl.sizes import BatchSizes
+from chatrl.weights import full_state_dict
 info = dist.init_distributed()
 cdb = comm.comm.cdb
 installed = bool(getattr(cdb, "_chatrl_reduce_scatter", False))
@@ -256,12 +261,12 @@ handle.wait()
 
 def zero3_steps(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = dist.initialize(model, dist.deepspeed_config(dist.BatchSizes(2, 1, info.world_size), 3), opt)
+    engine = dist.initialize(model, dist.deepspeed_config(BatchSizes(2, 1, info.world_size), 3), opt)
     for step in range(2):
         ids = torch.randint(2, 300, (info.world_size, 2, 10), generator=torch.Generator().manual_seed(step))
         engine.backward(engine(input_ids=ids[info.rank], labels=ids[info.rank]).loss)
         engine.step()
-    return {n: t.clone() for n, t in dist.full_state_dict(engine.module).items()}
+    return {n: t.clone() for n, t in full_state_dict(engine.module).items()}
 
 from transformers import OPTConfig, OPTForCausalLM
 cfg = OPTConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,

@@ -1,9 +1,9 @@
-"""Derived sizes of each step (chatrl.dist.plan_steps / plan_ppo): hand-derived counts, and errors
+"""Derived sizes of each step (chatrl.sizes.plan_steps / plan_ppo): hand-derived counts, and errors
 that name the flags and a fix for inexact divisions and impossible combinations."""
 
 import pytest
 
-from chatrl.dist import BatchSizes, plan_ppo, plan_steps
+from chatrl.sizes import BatchSizes, plan_ppo, plan_steps
 
 
 def ppo(**kw):

@@ -1,0 +1,163 @@
+"""The sizes of a run: every derived size is computed and checked in one place.
+
+Batch sizes (:class:`BatchSizes`: per device, gradient accumulation, ranks, global batch), the
+length of a step-1/2 run in optimizer steps (:func:`plan_steps` → :class:`StepPlan`) and every
+size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`). A training loop reads its plan and
+never re-derives a count; a size that does not fit raises ``ValueError`` here, naming the flags
+and a fix, before any model is loaded. Pure arithmetic: no torch, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Every batch size of a run, derived and checked in one place.
+
+    ``global_batch = per_device_batch × gradient_accumulation_steps × world_size`` samples per
+    optimizer step.
+    """
+
+    per_device_batch: int
+    gradient_accumulation_steps: int
+    world_size: int
+
+    def __post_init__(self):
+        for name in ("per_device_batch", "gradient_accumulation_steps", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_batch * self.gradient_accumulation_steps * self.world_size
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The length of a step-1/2 run in optimizer steps, derived and checked by :func:`plan_steps`."""
+
+    steps_per_epoch: int
+    total_steps: int
+    num_warmup_steps: int
+
+
+def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epochs: int, max_steps: int,
+               num_warmup_steps: int, what: str = "samples") -> StepPlan:
+    """Optimizer steps of steps 1-2: ``n_batches`` micro-batches per rank and epoch (a loader's
+    length), ``batch.gradient_accumulation_steps`` per step; the epoch's trailing partial step is
+    dropped. ``max_steps`` (> 0) caps the total.
+
+    Raises:
+        ValueError: no full optimizer step per epoch, or a warm-up not shorter than the run (naming
+            the flags and a fix).
+    """
+    steps_per_epoch = n_batches // batch.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ValueError(f"{n_samples} training {what} give no full optimizer step of global batch "
+                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
+    total = steps_per_epoch * num_train_epochs
+    if max_steps:
+        total = min(total, max_steps)
+    _check_warmup(num_warmup_steps, total, "optimizer steps")
+    return StepPlan(steps_per_epoch, total, num_warmup_steps)
+
+
+def _check_warmup(num_warmup_steps: int, total: int, unit: str) -> None:
+    if num_warmup_steps < 0 or (num_warmup_steps and num_warmup_steps >= total):
+        raise ValueError(f"--num_warmup_steps {num_warmup_steps} must be >= 0 and shorter than the run "
+                         f"({total} {unit}); lower --num_warmup_steps or train longer (--num_train_epochs, --max_steps)")
+
+
+@dataclass(frozen=True)
+class PPOPlan:
+    """Every derived size of a step-3 run, checked by :func:`plan_ppo`. Per rank unless said.
+
+    One *experience buffer* (a training step of step 3) is ``generation_batches`` generation
+    batches of ``per_device_generation_batch_size`` prompts; each generation batch is learned
+    from in ``ppo_epochs`` passes of ``micro_batches_per_generation`` micro-batches of
+    ``per_device_training_batch_size`` rollouts.
+    """
+
+    buffers_per_epoch: int
+    total_buffers: int
+    rollouts_per_buffer: int  # all ranks
+    micro_batches_per_generation: int
+    micro_batches_per_buffer: int  # PPO micro-batches per buffer, PPO epochs included
+    critic_steps: int  # optimizer steps of the critic over the run (0: critic-free)
+    actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
+    num_warmup_steps: int
+
+
+def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
+             per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
+             gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: int,
+             ptx: bool, rl_algorithm: str = "ppo", num_samples_per_prompt: int = 1) -> PPOPlan:
+    """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
+
+    Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
+    one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts.
+    A critic-free ``rl_algorithm`` (grpo, rloo, reinforce_pp) learns from the whole buffer at once:
+    its optimizer steps must not straddle PPO epochs (their loss normaliser is counted per step
+    before the first backward pass, ``critic_free.step_normalizers``), it makes no critic step,
+    and grpo/rloo need ``N >= 2``.
+
+    The PTX loss (``--unsupervised_dataset_name``) adds one actor micro-step after every PPO
+    micro-batch, so the actor makes twice the critic's optimizer steps; its learning-rate schedule
+    is sized for that (Ouyang et al., 2022, eq. 2 mixes the two losses per step).
+
+    Raises:
+        ValueError: a size below 1, an inexact division (a generation batch not made of whole
+            micro-batches; a buffer not made of whole optimizer steps), no full buffer per epoch, or
+            a warm-up not shorter than the run; the message names the flags and a fix.
+    """
+    for flag, v in (("per_device_generation_batch_size", per_device_generation_batch_size),
+                    ("per_device_training_batch_size", per_device_training_batch_size),
+                    ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
+                    ("gradient_accumulation_steps", gradient_accumulation_steps),
+                    ("num_train_epochs", num_train_epochs)):
+        if v < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {v}")
+    critic_free = rl_algorithm != "ppo"
+    if rl_algorithm not in ("ppo", "grpo", "rloo", "reinforce_pp"):
+        raise ValueError(f"--rl_algorithm {rl_algorithm!r}: choose ppo, grpo, rloo or reinforce_pp")
+    if num_samples_per_prompt < 1:
+        raise ValueError(f"--num_samples_per_prompt must be >= 1, got {num_samples_per_prompt}")
+    if rl_algorithm in ("grpo", "rloo") and num_samples_per_prompt < 2:
+        raise ValueError(f"--rl_algorithm {rl_algorithm} needs --num_samples_per_prompt >= 2 (a group of one answer "
+                         f"has no baseline), got {num_samples_per_prompt}")
+    per_generation = per_device_generation_batch_size * num_samples_per_prompt
+    if per_generation % per_device_training_batch_size:
+        times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
+                   if num_samples_per_prompt > 1 else "")
+        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
+                         f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
+                         "batch must split into whole PPO micro-batches; make the generation batch a multiple of the "
+                         "training one")
+    micro_per_gen = per_generation // per_device_training_batch_size
+    micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
+    if critic_free and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
+        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
+                         f"{generation_batches * micro_per_gen} micro-batches of one pass over a {rl_algorithm} buffer "
+                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
+                         "batch): an optimizer step would straddle two passes; choose a divisor")
+    if micro_per_buffer % gradient_accumulation_steps:
+        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
+                         f"{micro_per_buffer} PPO micro-batches of an experience buffer (--generation_batches "
+                         f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
+                         "generation batch): an optimizer step would straddle two buffers; choose a divisor")
+    buffers_per_epoch = n_generation_batches // generation_batches
+    if buffers_per_epoch == 0:
+        raise ValueError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
+                         f"{per_device_generation_batch_size} per rank x {world_size} ranks; lower "
+                         "--per_device_generation_batch_size or --generation_batches")
+    total = buffers_per_epoch * num_train_epochs
+    if max_steps:
+        total = min(total, max_steps)
+    policy_steps = total * micro_per_buffer // gradient_accumulation_steps
+    actor_steps = policy_steps * (2 if ptx else 1)
+    critic_steps = 0 if critic_free else policy_steps
+    _check_warmup(num_warmup_steps, policy_steps, "actor optimizer steps" if critic_free else "critic optimizer steps")
+    return PPOPlan(buffers_per_epoch, total, generation_batches * per_generation * world_size,
+                   micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps)
