@@ -511,6 +511,37 @@ def frozen_zero_stage(trained_stage: int, model: torch.nn.Module, partition: str
     return 3 if all_reduce_max(large).item() else 0  # every rank must choose alike (devices may differ)
 
 
+def frozen_engine(model: torch.nn.Module, trained_stage: int, batch: BatchSizes, dtype: str, partition: str,
+                  offload: bool):
+    """A frozen model (reference, reward, EMA) wrapped by DeepSpeed for inference; returns the engine.
+
+    The engine has no optimizer (:func:`initialize` with :func:`deepspeed_config`'s ``inference``
+    config) and its ZeRO stage is :func:`frozen_zero_stage`'s choice: the model whole on every
+    rank (stage 0) or its parameters partitioned (stage 3). A collective (the stage choice is):
+    call it on every rank. Freezing the parameters (``requires_grad``) and eval mode are the
+    caller's.
+
+    Args:
+        model: the frozen model, loaded whole and not yet wrapped by DeepSpeed.
+        trained_stage: ZeRO stage (0–3) of the trained model this one sits beside.
+        batch: the run's :class:`~chatrl.sizes.BatchSizes` (the engine's config needs them).
+        dtype: ``fp32`` | ``bf16`` | ``fp16``.
+        partition: ``--partition_frozen_models`` (``auto``, ``always``, ``never``; see
+            :func:`frozen_zero_stage`).
+        offload: the model's ``--offload_*_model`` flag: its partitions are kept in CPU memory, which
+            applies only under ZeRO-3; when the stage chosen is 0 (the trained model is not at
+            stage 3) the flag is logged and ignored, and the model stays on the device.
+
+    Raises:
+        ValueError: an unknown ``partition`` (:func:`frozen_zero_stage`) or ``dtype``
+            (:func:`deepspeed_config`).
+    """
+    stage = frozen_zero_stage(trained_stage, model, partition, offload)
+    if offload and stage != 3:
+        log.info("the frozen model's --offload_* flag applies under ZeRO-3; it stays on the device")
+    return initialize(model, deepspeed_config(batch, stage, offload and stage == 3, dtype, inference=True))
+
+
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """``deepspeed.initialize`` with chatrl's defaults; returns the engine.
 

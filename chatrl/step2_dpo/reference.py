@@ -121,14 +121,10 @@ def build_reference(kind: str, args, initial_model, policy_engine, batch, info) 
 
     if kind != "copy":
         return ReferenceLogps(kind, info.device, policy=policy_engine if kind == "adapters_disabled" else None)
-    stage = dist.frozen_zero_stage(args.zero_stage, initial_model, args.partition_frozen_models,
-                                   args.offload_reference_model)
-    if args.offload_reference_model and stage != 3:
-        log.info("--offload_reference_model applies under ZeRO-3; the reference stays on %s", info.device)
     model = initial_model
     model.requires_grad_(False)
     model.eval()
-    engine = dist.initialize(model, dist.deepspeed_config(batch, stage, args.offload_reference_model and stage == 3,
-                                                          args.dtype, inference=True))
+    engine = dist.frozen_engine(model, args.zero_stage, batch, args.dtype, args.partition_frozen_models,
+                                args.offload_reference_model)
     engine.eval()
     return ReferenceLogps("copy", info.device, engine=engine)

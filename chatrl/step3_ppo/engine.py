@@ -10,10 +10,7 @@
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,10 +82,11 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
 
     reference = load_causal_lm(args.actor_model_name_or_path, tokenizer, args.dtype, dropout=args.actor_dropout,
                                trust_remote_code=args.trust_remote_code)
-    ref_engine = _frozen_engine(reference, args.actor_zero_stage, args, args.offload_reference_model, batch)
+    ref_engine = dist.frozen_engine(reference, args.actor_zero_stage, batch, args.dtype, args.partition_frozen_models,
+                                    args.offload_reference_model)
     ema_engine = None
     if ema_model is not None:  # partitioned like the actor under ZeRO-3: the EMA update averages local partitions
-        ema_engine = _frozen_engine(ema_model, args.actor_zero_stage, args, False, batch, partition="always")
+        ema_engine = dist.frozen_engine(ema_model, args.actor_zero_stage, batch, args.dtype, "always", False)
 
     critic_engine = reward_engine = None
     if with_critic:
@@ -96,20 +94,9 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
     if with_reward_model:
         reward = load_reward_model(args.reward_model_name_or_path or args.critic_model_name_or_path, tokenizer,
                                    args.dtype, require_head=True, dropout=0.0, trust_remote_code=args.trust_remote_code)
-        reward_engine = _frozen_engine(reward, args.critic_zero_stage, args, args.offload_reward_model, batch)
+        reward_engine = dist.frozen_engine(reward, args.critic_zero_stage, batch, args.dtype,
+                                           args.partition_frozen_models, args.offload_reward_model)
     return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, actor_steps, critic_steps)
-
-
-def _frozen_engine(model, trained_stage: int, args, offload: bool, batch, partition: str | None = None):
-    """A frozen model (reference, reward, EMA) as an inference engine, whole or ZeRO-3-partitioned
-    (:func:`chatrl.dist.frozen_zero_stage`; ``partition`` overrides ``--partition_frozen_models``)."""
-    from chatrl import dist
-
-    stage = dist.frozen_zero_stage(trained_stage, model, partition or args.partition_frozen_models, offload)
-    if offload and stage != 3:
-        log.info("the frozen model's --offload_* flag applies under ZeRO-3; it stays on the device")
-    return dist.initialize(model, dist.deepspeed_config(batch, stage, offload and stage == 3, args.dtype,
-                                                        inference=True))
 
 
 def _critic_engine(args, tokenizer, batch, critic_steps: int):
