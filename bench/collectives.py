@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,12 +82,10 @@ def main(argv=None) -> None:
     if "RANK" in os.environ:
         _measure(args)
         return
-    from chatrl.dist import free_port
+    from bench._launch import self_launch
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-           str(free_port()), __file__, *(argv if argv is not None else sys.argv[1:])]
-    sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
+    env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    sys.exit(self_launch(__file__, args.nproc, argv if argv is not None else sys.argv[1:], env).returncode)
 
 
 if __name__ == "__main__":

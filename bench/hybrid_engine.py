@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 
 def _args(argv=None):
@@ -52,18 +51,15 @@ def _args(argv=None):
 
 
 def _launch(argv) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args = _args(argv)
     import torch
 
+    from bench._launch import self_launch
+
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"  # one rank per GPU there (--nprocs)
-    env = {**os.environ, "DS_ACCELERATOR": accelerator, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+    env = {"DS_ACCELERATOR": accelerator, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nprocs),
-           "--master_port", str(port), __file__, *argv]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    proc = self_launch(__file__, args.nprocs, argv, env, capture=True)
     result = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not result:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-6000:])
