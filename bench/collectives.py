@@ -74,14 +74,14 @@ def _measure(args) -> None:
         print(json.dumps({"backend": torch_dist.get_backend(), "world_size": info.world_size,
                           "chatrl_reduce_scatter": bool(getattr(comm.comm.cdb, "_chatrl_reduce_scatter", False)),
                           "threads_per_rank": torch.get_num_threads(), "sizes": rows}, indent=1), flush=True)
-    dist.shutdown()
 
 
 def main(argv=None) -> None:
     args = _args(argv)
     if "RANK" in os.environ:
-        _measure(args)
-        return
+        from chatrl.dist import run_program
+
+        run_program(lambda: _measure(args))
     from bench._launch import self_launch
 
     env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}

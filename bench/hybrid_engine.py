@@ -126,9 +126,8 @@ def _worker(argv) -> None:
 
 if __name__ == "__main__":
     if "LOCAL_RANK" in os.environ:
-        _worker(sys.argv[1:])
-        from chatrl.dist import shutdown
+        from chatrl.dist import run_program
 
-        shutdown()
+        run_program(lambda: _worker(sys.argv[1:]))
     else:
         sys.exit(_launch(sys.argv[1:]))
