@@ -240,11 +240,12 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group cleanly at the end of a successful run (all ranks call it).
+    """Leave the process group at the end of a successful run (all ranks call it): a barrier, then
+    ``destroy_process_group``.
 
-    A barrier, then ``destroy_process_group``: exiting with the group alive leaves the backend's
-    threads to be torn down by the interpreter's exit, which can abort the process (seen with
-    gloo: "terminate called without an active exception", exit code -6, after all work was done).
+    On gloo this is not enough for a clean exit: process groups that DeepSpeed still references
+    keep their worker threads, and the interpreter's exit can then abort the process; a program
+    ends with :func:`run_program` (or :func:`exit_now` after this), which skips that exit.
     """
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -271,13 +272,17 @@ def run_program(main: Callable[[], object]) -> NoReturn:
     """Run a step program (``python -m chatrl.step…``) on this rank, then end the process.
 
     ``main()`` does the whole step and returns whatever holds its DeepSpeed engines; they stay
-    referenced while the process group is shut down (:func:`shutdown`, all ranks), and
-    the process then ends with :func:`exit_now` (exit code 0) without the interpreter's
-    teardown. Both matter at the end of a finished run on gloo: freeing a ZeRO-3 engine with
-    collectives in flight, or letting the interpreter's exit destroy the backend's threads, can
-    abort the process ("terminate called without an active exception", signal 6) after all its
-    output is written, and the launcher then reports the step as failed. An exception is reported
-    by :func:`chatrl.resilience.report_failure` and propagates (the interpreter exits non-zero as usual).
+    referenced while the process group is shut down (:func:`shutdown`, all ranks), and the
+    process then ends with :func:`exit_now` (exit code 0), skipping the interpreter's finalisation.
+    That finalisation races with gloo: a gloo worker thread that drops a finished asynchronous
+    all-gather (ZeRO-3's parameter fetches) must take the GIL to free the work's tensors; during
+    finalisation, taking the GIL ends the thread (``pthread_exit``) inside that C++ destructor,
+    and ``std::terminate`` aborts the process: "terminate called without an active exception",
+    signal 6, after all output was written, so the launcher reports a finished step as failed
+    (core dump of a 2-rank ZeRO-3 probe: ``~AsyncAllgatherWork`` → ``decref`` →
+    ``PyThread_exit_thread``; 3 of 6 probe runs aborted with ``shutdown()`` alone, 0 of 8 with
+    this). An exception is reported by :func:`chatrl.resilience.report_failure` and propagates
+    (the interpreter exits non-zero as usual).
     """
     from chatrl.resilience import report_failure
 
