@@ -12,8 +12,9 @@ import sys
 import torch
 
 from chatrl import dist
+from chatrl.dist import run_program
 from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
-from chatrl.resilience import NonFiniteError, NonFiniteGuard, run_program
+from chatrl.resilience import NonFiniteError, NonFiniteGuard
 from chatrl.sizes import BatchSizes
 from chatrl.weights import full_state_dict
 
