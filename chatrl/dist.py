@@ -42,9 +42,8 @@ def stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
 
     DeepSpeed JIT-builds its C++ ops at their first use in every new environment (on CPU: its CPU
     Adam, used with ``--offload``), and torch serialises the build with a lock file that only the
-    building process removes. A process
-    killed while building (Ctrl-C at the first launch, a stopped test run) leaves the file, and every
-    later DeepSpeed process waits for it forever, silently. A build takes seconds to a few minutes,
+    building process removes. A process killed while building (Ctrl-C at the first launch, a stopped
+    test run) leaves the file, and every later DeepSpeed process waits for it forever, silently. A build takes seconds to a few minutes,
     so an old lock is a leftover; :func:`init_distributed` names it in a warning.
     """
     import time

@@ -1,12 +1,4 @@
-from chatrl import cli
 from chatrl.dist import run_program
-from chatrl.step3_ppo.main import build, build_parser, train
+from chatrl.step3_ppo.main import run
 
-
-def _main():
-    run = build(cli.parse(build_parser()))
-    train(run)
-    return run  # holds the engines (see run_program)
-
-
-run_program(_main)
+run_program(run)

@@ -86,7 +86,8 @@ def build_engines(args, tokenizer, info, actor_steps: int, critic_steps: int | N
                                     args.offload_reference_model)
     ema_engine = None
     if ema_model is not None:  # partitioned like the actor under ZeRO-3: the EMA update averages local partitions
-        ema_engine = dist.frozen_engine(ema_model, args.actor_zero_stage, batch, args.dtype, "always", False)
+        ema_engine = dist.frozen_engine(ema_model, args.actor_zero_stage, batch, args.dtype, partition="always",
+                                         offload=False)
 
     critic_engine = reward_engine = None
     if with_critic:

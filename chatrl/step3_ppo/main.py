@@ -162,7 +162,15 @@ class Step3Run:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run step 3; returns the last logged metrics."""
-    return train(build(cli.parse(build_parser(), argv)))
+    return run(argv)["metrics"]
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run step 3 and return ``{"metrics", "run"}``: the last logged metrics and the
+    :class:`Step3Run`, whose engines the caller keeps until the process group is shut down
+    (:func:`chatrl.dist.run_program`)."""
+    step3 = build(cli.parse(build_parser(), argv))
+    return {"metrics": train(step3), "run": step3}
 
 
 def build(args) -> Step3Run:
