@@ -134,15 +134,18 @@ for _ in range(3):
     (sum(ref(input_ids=ids[r]).logits.pow(2).sum() * 10 for r in range(info.world_size)) / info.world_size).backward()
     norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)) if clip else 0.0)
     ref_opt.step()
-diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(engine.module.parameters(), ref.parameters()))
+diff = dist.all_reduce_max(torch.tensor(max((p.detach() - q.detach()).abs().max().item()
+                                             for p, q in zip(engine.module.parameters(), ref.parameters())))).item()
 moved = {n: (p.detach() - q.detach()).abs().max().item()
          for (n, p), q in zip(ref.named_parameters(), start.parameters()) if "k_proj.bias" not in n}  # gradient 0
 tied = OPTForCausalLM(cfg)
 dist.initialize(tied, config, dist.make_optimizer([{"params": list(tied.parameters())}], lr=1e-2, offload=False))
-print("RESULT", json.dumps({"sparse": model.get_input_embeddings().sparse, "sparse_at_step": any(sparse_seen), "diff": diff, "norms": norms,
-                            "moved": moved, "tied_sparse": tied.get_input_embeddings().sparse,
-                            "position_sparse": model.model.decoder.embed_positions.sparse}), flush=True)
-dist.shutdown()  # gloo's threads stopped, then no interpreter teardown (it can abort: chatrl.resilience.run_program)
+if info.rank == 0:  # one RESULT line (diff over both ranks): two ranks printing at once can interleave
+    print("RESULT", json.dumps({"sparse": model.get_input_embeddings().sparse, "sparse_at_step": any(sparse_seen),
+                                "diff": diff, "norms": norms, "moved": moved,
+                                "tied_sparse": tied.get_input_embeddings().sparse,
+                                "position_sparse": model.model.decoder.embed_positions.sparse}), flush=True)
+dist.shutdown()  # gloo's threads stopped, then no interpreter teardown (it can abort: chatrl.dist.run_program)
 dist.exit_now()
 """
 
@@ -210,10 +213,12 @@ mask = torch.ones_like(ids)
 mask[0, :3] = 0  # a left-padded row
 with torch.no_grad():
     logits = {k: e(input_ids=ids, attention_mask=mask).logits for k, e in engines.items()}
-print("RESULT", json.dumps({"diff": (logits["never"] - logits["always"]).abs().max().item(),
-                            "scale": logits["never"].abs().max().item(),
-                            "partitioned": {k: any(hasattr(p, "ds_tensor") for p in e.module.parameters())
-                                            for k, e in engines.items()}}), flush=True)
+diff = dist.all_reduce_max((logits["never"] - logits["always"]).abs().max()).item()  # over both ranks' batches
+scale = logits["never"].abs().max().item()
+if info.rank == 0:  # one RESULT line: two ranks printing at once can interleave on the shared pipe
+    print("RESULT", json.dumps({"diff": diff, "scale": scale,
+                                "partitioned": {k: any(hasattr(p, "ds_tensor") for p in e.module.parameters())
+                                                for k, e in engines.items()}}), flush=True)
 dist.shutdown()
 dist.exit_now()
 """
