@@ -22,6 +22,15 @@ from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
 from chatrl.conversation import HUMAN_MARKER, prompt_ids_within
+from chatrl.data.formatting import uses_chat_template
+from chatrl.models import (
+        check_context_window,
+        context_window,
+        load_tokenizer,
+        sampling_settings,
+        stop_token_ids,
+    )
+from chatrl.web_chat import serve
 
 
 @dataclass
@@ -61,7 +70,6 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.web:
-        from chatrl.web_chat import serve
 
         return serve(args)
     import torch
@@ -71,14 +79,6 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    from chatrl.data.formatting import uses_chat_template
-    from chatrl.models import (
-        check_context_window,
-        context_window,
-        load_tokenizer,
-        sampling_settings,
-        stop_token_ids,
-    )
 
     try:
         sampling = sampling_settings(args.temperature, args.top_k, args.top_p, greedy=args.greedy)

@@ -36,12 +36,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import multinode
+from chatrl import config, multinode
 from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
-from chatrl.config import add_block, setting, to_argv
+from chatrl.config import setting, to_argv, uses
 from chatrl.dist import free_port
 from chatrl.report import report_note
+from chatrl.rl import algorithms
+from chatrl.step1_sft.main import build_parser as step1_parser
+from chatrl.step2_dpo.main import build_parser as dpo_parser
+from chatrl.step2_reward.main import build_parser as step2_parser
+from chatrl.step3_ppo.main import build_parser as step3_parser
 from chatrl.tracking import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent
@@ -56,7 +61,7 @@ SHORT_NAMES = {
 DEFAULT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
                 "yitingxie/rlhf-reward-datasets"]
 STEP_MODULES = {1: "chatrl.step1_sft", 2: "chatrl.step2_reward", 3: "chatrl.step3_ppo"}
-STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF with PPO"}
+STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF"}
 
 
 def resolve_model(name: str) -> str:
@@ -74,24 +79,24 @@ def size_in_billions(name: str) -> float:
     return float(m.group(1)) / (1000.0 if m.group(2) == "m" else 1.0)
 
 
+Presets = dict[int, dict]
+"""Per step, ``{flag name: value}`` (``True`` a bare switch, ``False``/``None`` omitted, a list its items):
+presets stay data until :func:`command_flags` writes them as a command line."""
+
+
 def step_parsers() -> dict[int, argparse.ArgumentParser]:
     """Each step's own parser: presets are written as its flag names and checked against it."""
-    from chatrl.step1_sft.main import build_parser as step1
-    from chatrl.step2_reward.main import build_parser as step2
-    from chatrl.step3_ppo.main import build_parser as step3
-
-    return {1: step1(), 2: step2(), 3: step3()}
+    return {1: step1_parser(), 2: step2_parser(), 3: step3_parser(), "dpo": dpo_parser()}
 
 
-def preset_argv(values: dict[int, dict]) -> dict[int, list[str]]:
-    """Per-step ``{flag name: value}`` presets as command lines, each name checked against that
-    step's parser (:func:`chatrl.config.to_argv`; ``True`` is a bare switch, ``False`` omits it)."""
-    parsers = step_parsers()
-    return {s: to_argv(parsers[s], v) for s, v in values.items()}
+def command_flags(values: dict, parser: argparse.ArgumentParser) -> list[str]:
+    """A step's ``{flag name: value}`` as command-line flags, each name checked against its parser
+    (:func:`chatrl.config.to_argv`)."""
+    return to_argv(parser, values)
 
 
 def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: int | None,
-                reward_zero: int | None) -> dict[int, list[str]]:
+                reward_zero: int | None) -> Presets:
     """Batch sizes, ZeRO stages, LoRA and offload for the model sizes and deployment.
 
     The figures follow DeepSpeed-Chat's published training scripts: ZeRO-3 and LoRA for large
@@ -120,10 +125,10 @@ def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: in
              "actor_gradient_checkpointing": lora, "offload_reference_model": offload, "offload": offload}
     if gpus >= 8 and big:
         step3.update(inference_tp_size=2 if actor_b < 30 else 4, tp_gather_partition_size=4)
-    return preset_argv({1: step1, 2: step2, 3: step3})
+    return {1: step1, 2: step2, 3: step3}
 
 
-def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
+def demo_plan(output: Path) -> tuple[str, str, Presets]:
     """The offline demo: stories260K (a real pretrained tiny Llama) as actor and reward backbone, real
     hh-rlhf + Alpaca data from ../shared, 2 CPU ranks, actor under ZeRO-3 with the hybrid engine."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
@@ -140,7 +145,7 @@ def demo_plan(output: Path) -> tuple[str, str, dict[int, list[str]]]:
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 5, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
              "print_answers_interval": 10, "save_interval": 10}
-    return model, model, preset_argv({1: step1, 2: step2, 3: step3})
+    return model, model, {1: step1, 2: step2, 3: step3}
 
 
 @dataclass
@@ -178,14 +183,15 @@ class PipelineConfig:
     step2_method: str = setting("reward", "reward: step 2 trains a reward model for step 3's PPO; dpo: step 2 is "
                                           "direct preference optimisation of the step-1 actor (python -m "
                                           "chatrl.step2_dpo), and no step 3 runs", choices=("reward", "dpo"))
-    rl_algorithm: str = setting("ppo", "step 3's algorithm: ppo, or critic-free grpo, rloo, reinforce_pp (no critic; "
-                                       "step 2 is skipped when no reward model is needed)",
-                                choices=("ppo", "grpo", "rloo", "reinforce_pp"))
-    reward_fn: list = setting([], "step 3's reward functions ([WEIGHT*]module:function or exact_match, "
-                                  "regex_format): with a critic-free algorithm no reward model is trained",
-                              nargs="+", type=str)
-    reward_url: list = setting([], "step 3's reward servers ([WEIGHT*]http://host:port/path)", nargs="+", type=str)
-    num_samples_per_prompt: int = setting(4, "answers per prompt of a critic-free step 3 (its group)")
+
+
+@dataclass
+class PipelineSettings:
+    """train.py's blocks: its own, and the step-3 settings it plans with (read through their blocks)."""
+
+    pipeline: PipelineConfig = uses(PipelineConfig)
+    rl: config.PPOConfig = uses(config.PPOConfig, only=("rl_algorithm", "num_samples_per_prompt"))
+    reward: config.RewardConfig = uses(config.RewardConfig, only=("reward_fn", "reward_url"))
 
 
 # DPO's settings on train.py's path (beside step 1's actor set-up and a tenth of its learning rate):
@@ -194,55 +200,48 @@ class PipelineConfig:
 DPO_DEFAULTS = {"num_train_epochs": 1, "beta": 0.1, "rpo_alpha": 1.0, "eval_eos_samples": 32}
 
 
-def dpo_plan(out: Path, flags: dict, dirs: dict, models: dict, steps: list[int]) -> list[int]:
+def dpo_plan(out: Path, presets: Presets, dirs: dict, models: Presets, steps: list[int]) -> list[int]:
     """Re-plan step 2 as DPO of the step-1 actor (``chatrl.step2_dpo`` into ``OUTPUT/step2_dpo``), in place;
     returns the steps to run (step 3 dropped: the DPO model is the chat model). The DPO step uses
     step 1's actor settings (ZeRO stage, LoRA, batch sizes) on step 2's preference data, with
-    :data:`DPO_DEFAULTS` and a learning rate a tenth of step 1's (names checked against the DPO parser)."""
-    from chatrl.step2_dpo.main import build_parser as dpo_parser
-
+    :data:`DPO_DEFAULTS` and a learning rate a tenth of step 1's (names checked against the DPO
+    parser when the command line is written)."""
     if 3 in steps:
         print("train.py: --step2-method dpo stops after step 2 (the DPO model is the chat model); step 3 is skipped",
               flush=True)
-    step1 = flags[1]
-    lr = float(step1[step1.index("--learning_rate") + 1]) / 10 if "--learning_rate" in step1 else 5e-6
-    step2 = flags[2]  # starts with --data_path and the preference data (step 1's may add SFT-only sets)
-    end = next((i for i, f in enumerate(step2[1:], 1) if f.startswith("--")), len(step2))
-    flags[2] = [*step1, *step2[:end], *to_argv(dpo_parser(), {"learning_rate": f"{lr:g}", **DPO_DEFAULTS})]
+    step1 = presets[1]
+    lr = float(step1["learning_rate"]) / 10 if step1.get("learning_rate") is not None else 5e-6
+    presets[2] = {**step1, **{k: v for k, v in presets[2].items() if k in ("data_path", "data_split")},
+                  "learning_rate": f"{lr:g}", **DPO_DEFAULTS}
     dirs[2] = out / "step2_dpo"
-    models[2] = ["--model_name_or_path", str(dirs[1])]
+    models[2] = {"model_name_or_path": str(dirs[1])}
     return [s for s in steps if s != 3]
 
 
-def plan_pipeline(a) -> tuple[list[int], list[str], str | None]:
-    """The steps to run, step 3's algorithm and reward flags, and why step 2 is skipped (or ``None``).
+def plan_pipeline(s: PipelineSettings) -> tuple[list[int], dict, str | None]:
+    """The steps to run, step 3's algorithm and reward flags (``{flag name: value}``), and why step 2
+    is skipped (or ``None``).
 
-    Step 2 (the reward model) is skipped when step 3 needs neither a critic nor a reward model:
-    a critic-free ``--rl-algorithm`` with its reward from ``--reward-fn``/``--reward-url`` only.
-
-    Raises:
-        SystemExit: ppo with ``--reward-fn``/``--reward-url`` (ppo's reward is the reward model).
+    Step 2 (the reward model) is skipped when the reward comes from ``--reward-fn``/``--reward-url``
+    alone: a critic-free algorithm needs no other model, and PPO's critic then starts from the
+    step-1 actor with a fresh value head.
     """
-    rules = list(a.reward_fn) or list(a.reward_url)
-    if a.rl_algorithm == "ppo":
-        if rules:
-            raise SystemExit("train.py: --reward-fn/--reward-url need a critic-free --rl-algorithm (grpo, rloo, "
-                             "reinforce_pp); ppo's reward is step 2's reward model")
-        return sorted(set(a.step)), [], None
-    flags = ["--rl_algorithm", a.rl_algorithm, "--num_samples_per_prompt", str(a.num_samples_per_prompt)]
-    flags += (["--reward_fn", *a.reward_fn] if a.reward_fn else []) + (["--reward_url", *a.reward_url]
-                                                                        if a.reward_url else [])
-    steps = sorted(set(a.step))
-    if rules:
-        return ([s for s in steps if s != 2], flags,
-                f"step 2 (reward model) skipped: {a.rl_algorithm} has no critic and its reward comes from "
-                f"{' '.join([*a.reward_fn, *a.reward_url])}")
-    return steps, flags, None
+    rules = [*s.reward.reward_fn, *s.reward.reward_url]
+    flags = {"rl_algorithm": s.rl.rl_algorithm, "num_samples_per_prompt": s.rl.num_samples_per_prompt,
+             "reward_fn": s.reward.reward_fn, "reward_url": s.reward.reward_url}
+    steps = sorted(set(s.pipeline.step))
+    if not rules:
+        return steps, flags, None
+    algorithm = algorithms.get(s.rl.rl_algorithm)
+    critic = "; the critic starts from step 1's actor with a fresh value head" if algorithm.needs_critic else ""
+    return ([x for x in steps if x != 2], flags,
+            f"step 2 (reward model) skipped: the reward of {algorithm.name} comes from {' '.join(rules)}{critic}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_block(p, PipelineConfig)
+    """train.py's flags (:class:`PipelineSettings`)."""
+    p = config.program_parser(PipelineSettings, __doc__, prog="train.py")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     return p
 
 
@@ -360,48 +359,47 @@ def _worth_showing(line: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     known = {x.dest for x in parser._actions}
-    a = parser.parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv), known))
+    settings: PipelineSettings = config.read(
+        PipelineSettings, parser.parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv), known)))
+    a = settings.pipeline
     out = Path(a.output_dir).resolve()
+    steps, rl_flags, skip2 = plan_pipeline(settings)
+    deployment = a.deployment_type
     if a.preset == "demo":
         for needed in (SHARED / "models" / "stories260K", SHARED / "data" / "hh-rlhf"):
             if not needed.exists():
                 raise SystemExit(f"the demo reads offline assets from {SHARED}; {needed} is missing "
                                  "(set CHATRL_SHARED to the shared/ folder)")
-        actor, reward, flags = demo_plan(out)
-        a.deployment_type = "cpu"
+        actor, reward, presets = demo_plan(out)
+        deployment = "cpu"
+        for s, stages in {1: {"zero_stage": a.actor_zero_stage}, 2: {"zero_stage": a.reward_zero_stage},
+                          3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}}.items():
+            presets[s].update({k: v for k, v in stages.items() if v is not None})  # explicit stages win
     else:
-        steps, _, skip2 = plan_pipeline(a)
         if not a.actor_model or not (a.reward_model or skip2 or a.step2_method == "dpo"):
             raise SystemExit("train.py: pass --actor-model and --reward-model (or --preset demo)")
         actor = resolve_model(a.actor_model)
         reward = resolve_model(a.reward_model) if a.reward_model else actor
-        flags = size_preset(size_in_billions(actor), size_in_billions(reward), a.deployment_type,
-                            a.actor_zero_stage, a.reward_zero_stage)
-        data = a.data_path or DEFAULT_DATA
-        for s in (1, 2, 3):
-            flags[s] = ["--data_path", *data, *flags[s]]  # every step's parser has --data_path (DataConfig)
-    if a.preset == "demo":  # explicit stages override the demo's (later flags win in argparse)
-        over = preset_argv({1: {"zero_stage": a.actor_zero_stage}, 2: {"zero_stage": a.reward_zero_stage},
-                            3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}})
-        for s in over:
-            flags[s] += over[s]
-    if (a.node_rank is not None or a.master_addr) and a.deployment_type != "multi_node":
+        presets = size_preset(size_in_billions(actor), size_in_billions(reward), deployment,
+                              a.actor_zero_stage, a.reward_zero_stage)
+        for s in (1, 2, 3):  # every step's parser has --data_path (DataConfig)
+            presets[s] = {"data_path": a.data_path or DEFAULT_DATA, **presets[s]}
+    if (a.node_rank is not None or a.master_addr) and deployment != "multi_node":
         raise SystemExit("train.py: --node-rank and --master-addr are for --deployment-type multi_node")
-    cmd, env = launcher(a.deployment_type, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
-    nodes = (multinode.read_hostfile(a.hostfile), a.node_rank) if a.deployment_type == "multi_node" else None
+    cmd, env = launcher(deployment, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
+    nodes = (multinode.read_hostfile(a.hostfile), a.node_rank) if deployment == "multi_node" else None
     dirs = {1: out / "step1_actor", 2: out / "step2_reward", 3: out / "step3_rlhf"}
-    steps, rl_flags, skip2 = plan_pipeline(a)
-    models = {1: ["--model_name_or_path", actor], 2: ["--model_name_or_path", reward],
-              3: ["--actor_model_name_or_path", str(dirs[1]), *([] if skip2 else ["--critic_model_name_or_path",
-                                                                                  str(dirs[2])]), *rl_flags]}
-    print(f"train.py: steps {steps} → {out} ({a.deployment_type}; actor {actor}; "
-          f"{'reward ' + reward if not skip2 else 'step 3 ' + a.rl_algorithm})", flush=True)
+    models = {1: {"model_name_or_path": actor}, 2: {"model_name_or_path": reward},
+              3: {"actor_model_name_or_path": str(dirs[1]),
+                  "critic_model_name_or_path": None if skip2 else str(dirs[2]), **rl_flags}}
+    print(f"train.py: steps {steps} → {out} ({deployment}; actor {actor}; "
+          f"{'reward ' + reward if not skip2 else 'step 3 ' + settings.rl.rl_algorithm})", flush=True)
     if skip2:
         print(skip2, flush=True)
-    modules, names = dict(STEP_MODULES), dict(STEP_NAMES)
+    modules, names, parsers = dict(STEP_MODULES), dict(STEP_NAMES), step_parsers()
     if a.step2_method == "dpo":
-        steps = dpo_plan(out, flags, dirs, models, steps)
-        modules[2], names[2] = "chatrl.step2_dpo", "direct preference optimisation"
+        steps = dpo_plan(out, presets, dirs, models, steps)
+        modules[2], names[2], parsers[2] = "chatrl.step2_dpo", "direct preference optimisation", parsers["dpo"]
     times = {}
     for s in steps:
         if (dirs[s] / RUN_MARKER).exists() and not a.overwrite:
@@ -414,9 +412,9 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"step 3 needs step {need}'s output in {dirs[need]}; run --step {need} first")
         extra = shlex.split(getattr(a, f"step{s}_args"))
         # An unfinished step continues from its newest checkpoint; --overwrite starts it afresh.
-        again = ["--overwrite_output_dir"] if a.overwrite else ["--resume"]
-        step_cmd = [*cmd, "--module", modules[s], *models[s], *flags[s], "--output_dir", str(dirs[s]),
-                    *again, *extra]
+        values = {**models[s], **presets[s], "output_dir": str(dirs[s]), "overwrite_output_dir": a.overwrite,
+                  "resume": not a.overwrite}
+        step_cmd = [*cmd, "--module", modules[s], *command_flags(values, parsers[s]), *extra]
         node = f".node{a.node_rank}" if a.node_rank is not None else ""  # nodes may share the output folder
         log_path = out / "logs" / f"step{s}{node}.log"
         ckpts = [] if a.overwrite else list_checkpoints(dirs[s])

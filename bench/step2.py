@@ -51,7 +51,7 @@ def main() -> None:
     import transformers
 
     from chatrl.models import load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model, pairwise_loss
+    from chatrl.reward_model import load_reward_model, pairwise_loss
     from chatrl.tiny import TinySpec, make_tiny_model
 
     transformers.logging.set_verbosity_error()

@@ -54,7 +54,7 @@ def make_models(work: Path, a) -> tuple[str, str]:
     import torch
 
     from chatrl.models import load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+    from chatrl.reward_model import load_reward_model, save_reward_model
     from chatrl.tiny import TinySpec, make_tiny_model
 
     actor = a.actor

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from chatrl.dist import barrier, get_rank, get_world_size, is_main
+from chatrl.config import CheckpointConfig
+from chatrl.dist import barrier, get_rank, is_main
 from chatrl.errors import UsageError
 from chatrl.resilience import NonFiniteError, NonFiniteGuard
 
@@ -32,13 +33,13 @@ log = logging.getLogger(__name__)
 RUN_MARKER = "chatrl_run.json"
 
 
-def resume_path(args) -> str | None:
+def resume_path(ckpt: CheckpointConfig, output_dir: str) -> str | None:
     """The checkpoint to resume from: ``--resume_from_checkpoint``, else with ``--resume`` the newest
     complete one under ``OUTPUT_DIR/checkpoints``, else None."""
-    if args.resume_from_checkpoint:
-        return args.resume_from_checkpoint
-    if args.resume:
-        found = list_checkpoints(args.output_dir)
+    if ckpt.resume_from_checkpoint:
+        return ckpt.resume_from_checkpoint
+    if ckpt.resume:
+        found = list_checkpoints(output_dir)
         return str(found[-1]) if found else None
     return None
 
@@ -193,16 +194,20 @@ class LoopCheckpoints:
     """``--save_interval`` / ``--save_total_limit`` / ``--resume`` for one step's training loop.
 
     Args:
-        args: parsed flags with ``output_dir``, ``save_interval``, ``save_total_limit``, ``resume``,
-            ``resume_from_checkpoint``.
+        ckpt: the program's :class:`chatrl.config.CheckpointConfig`.
+        output_dir: the step's ``--output_dir`` (checkpoints go to ``OUTPUT_DIR/checkpoints``).
         engines: name → DeepSpeed engine saved in every checkpoint (models, optimizers, schedulers).
+        layout: the run's batch layout (:func:`batch_layout`), recorded in every checkpoint and
+            checked on resume.
         extra_modules: name → ``torch.nn.Module`` without optimizer saved too (step 3's EMA actor),
             as per-rank safetensors of its (ZeRO-3: local) parameters.
     """
 
-    def __init__(self, args, engines: dict, extra_modules: dict | None = None):
-        self.args, self.engines, self.extra = args, engines, extra_modules or {}
-        self.guard = NonFiniteGuard(engines, args.max_nonfinite_steps)
+    def __init__(self, ckpt: CheckpointConfig, output_dir: str, engines: dict, layout: dict,
+                 extra_modules: dict | None = None):
+        self.cfg, self.output_dir, self.engines, self.layout = ckpt, output_dir, engines, layout
+        self.extra = extra_modules or {}
+        self.guard = NonFiniteGuard(engines, ckpt.max_nonfinite_steps)
 
     @property
     def skipped(self) -> int:
@@ -237,13 +242,13 @@ class LoopCheckpoints:
             UsageError: the checkpoint was written with another world size or batch layout
                 (:func:`check_resume_layout`).
         """
-        path = resume_path(self.args)
+        path = resume_path(self.cfg, self.output_dir)
         if path is None:
-            if self.args.resume:
+            if self.cfg.resume:
                 log.info("--resume: no complete checkpoint under %s/checkpoints; starting from scratch",
-                         self.args.output_dir)
+                         self.output_dir)
             return None
-        check_resume_layout(path, batch_layout(self.args, get_world_size()))
+        check_resume_layout(path, self.layout)
         state = load_checkpoint(self.engines, path)
         for name, module in self.extra.items():
             _load_local_params(module, os.path.join(path, f"{name}_rank{get_rank()}.safetensors"))
@@ -253,7 +258,7 @@ class LoopCheckpoints:
     def stop_here(self, step: int) -> bool:
         """``--stop_after_steps`` (testing): the loop ends after training step ``step`` without the
         final save, as a crash would."""
-        return step == self.args.stop_after_steps
+        return step == self.cfg.stop_after_steps
 
     @staticmethod
     def note_stop(step: int, tracker) -> None:
@@ -263,7 +268,7 @@ class LoopCheckpoints:
 
     def due(self, step: int, total_steps: int) -> bool:
         """A periodic checkpoint is due after training step ``step`` (never after the last one)."""
-        return bool(self.args.save_interval) and step % self.args.save_interval == 0 and step < total_steps
+        return bool(self.cfg.save_interval) and step % self.cfg.save_interval == 0 and step < total_steps
 
     def save(self, step: int, state: dict) -> None:
         """Write a checkpoint of training step ``step`` with ``state`` (JSON-serialisable). All ranks call it."""
@@ -271,19 +276,16 @@ class LoopCheckpoints:
             for name, module in self.extra.items():
                 _save_local_params(module, os.path.join(folder, f"{name}_rank{get_rank()}.safetensors"))
 
-        layout = batch_layout(self.args, get_world_size())
-        save_checkpoint(self.engines, self.args.output_dir, step, {**state, "layout": layout},
-                        keep=self.args.save_total_limit, write_extra=write_extra)
+        save_checkpoint(self.engines, self.output_dir, step, {**state, "layout": self.layout},
+                        keep=self.cfg.save_total_limit, write_extra=write_extra)
 
 
-#: The flags that decide which samples each rank sees at each step (with the world size).
-LAYOUT_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_generation_batch_size",
-                "generation_batches", "per_device_training_batch_size")
-
-
-def batch_layout(args, world_size: int) -> dict:
-    """The run's batch layout: ``world_size`` and those :data:`LAYOUT_FLAGS` the step has."""
-    return {"world_size": world_size, **{k: getattr(args, k) for k in LAYOUT_FLAGS if hasattr(args, k)}}
+def batch_layout(world_size: int, **batch_flags: int) -> dict:
+    """A run's batch layout: ``world_size`` and the flags that decide which samples each rank sees at
+    each step (steps 1-2: ``per_device_train_batch_size``, ``gradient_accumulation_steps``; step 3:
+    ``per_device_generation_batch_size``, ``generation_batches``, ``per_device_training_batch_size``
+    and ``gradient_accumulation_steps``), named by their flags."""
+    return {"world_size": world_size, **batch_flags}
 
 
 def _describe_layout(layout: dict) -> str:

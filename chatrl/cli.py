@@ -1,8 +1,7 @@
-"""Command-line flags shared by every step, named as in DeepSpeed-Chat where the concept exists there.
-
-The settings themselves (type, default, unit, help) are declared once in :mod:`chatrl.config`;
-each ``add_*_args`` function here adds one concern's block as an argument group. Both spellings
-are accepted: ``--per_device_train_batch_size`` and ``--per-device-train-batch-size``.
+"""Parsing a program's command line: both spellings of a flag (``--per_device_train_batch_size`` and
+``--per-device-train-batch-size``), and the checks every step makes before any rank loads a model
+(local data paths exist, checkpoint flags are sane). The flags themselves are declared once, in
+:mod:`chatrl.config`, and composed per program (:func:`chatrl.config.program_parser`).
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from chatrl import config
 from chatrl.checkpoint import COMPLETE
 
 
@@ -65,37 +63,3 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
             parser.error(f"--resume_from_checkpoint {resume_from}: not a complete chatrl checkpoint (no {COMPLETE}); "
                          "give one OUTPUT_DIR/checkpoints/step_N folder, or use --resume for the newest")
     return args
-
-
-new_parser = config.new_parser
-
-
-# The per-concern flag groups of steps 1-2, kept as one-line calls (declared in chatrl.config).
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    config.add_block(p, config.ModelConfig)
-
-
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    config.add_block(p, config.LoraConfig)
-
-
-def add_data_args(p: argparse.ArgumentParser, max_seq_len: int = 512) -> None:
-    config.add_block(p, config.DataConfig, exclude=("unsupervised_dataset_name",),
-                     defaults={"max_seq_len": max_seq_len})
-
-
-def add_optim_args(p: argparse.ArgumentParser, lr: float = 1e-3) -> None:
-    config.add_block(p, config.BatchConfig)
-    config.add_block(p, config.OptimConfig, defaults={"learning_rate": lr})
-
-
-def add_dist_args(p: argparse.ArgumentParser) -> None:
-    config.add_block(p, config.ZeroConfig, only=("zero_stage", "offload", "local_rank"))
-
-
-def add_log_args(p: argparse.ArgumentParser) -> None:
-    config.add_block(p, config.LogConfig)
-
-
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    config.add_block(p, config.CheckpointConfig)

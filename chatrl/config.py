@@ -14,33 +14,43 @@ A field is either *shared* (one flag per program: ``--dtype``) or *per model*
 default (step 1's learning rate is not step 2's) with ``defaults={"learning_rate": 1e-3}`` where
 it composes the block: the help, unit and type stay those declared here.
 
-A new program declares its flags like this::
+A program declares its blocks once, as a dataclass of :func:`uses` fields; its parser is generated
+from it (:func:`program_parser`) and its typed settings read back (:func:`read`), which the program
+then hands, block by block, to the code that uses them::
 
     from chatrl import config
 
-    def build_parser():
-        p = config.new_parser("my step", prog="python -m chatrl.my_step")
-        config.add_block(p, config.ModelConfig)
-        config.add_block(p, config.OptimConfig, defaults={"learning_rate": 5e-7})
-        config.add_block(p, MyStepConfig)  # its own @dataclass of setting(...) fields
-        return p
+    @dataclass
+    class MySettings:
+        model: config.ModelConfig = config.uses(config.ModelConfig)
+        optim: config.OptimConfig = config.uses(config.OptimConfig, defaults={"learning_rate": 5e-7})
+        mine: MyStepConfig = config.uses(MyStepConfig)   # its own @dataclass of setting(...) fields
+
+    parser = config.program_parser(MySettings, "my step", prog="python -m chatrl.my_step")
+    s = config.read(MySettings, chatrl.cli.parse(parser, argv))
+    s.optim.learning_rate
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from chatrl.rl import algorithms
+from chatrl.rl.loss import KL_PLACEMENTS, LOSS_AGG_MODES
 
 REQUIRED: Any = object()
 """Default of a flag that must be given."""
 
 
-def setting(default: Any, help: str, *, unit: str | None = None, choices: tuple | None = None,
+def setting(default: Any, help: str, *, unit: str | None = None, choices: tuple | Callable[[], tuple] | None = None,
             nargs: str | None = None, per_model: bool = False, type: Any = None):
-    """A block field: its default, one-line help, unit (shown in ``--help``), allowed values, and
-    whether it exists once per trained model (``per_model``) when a block is composed with prefixes.
+    """A block field: its default, one-line help, unit (shown in ``--help``), allowed values (a tuple,
+    or a function returning them when the parser is built: a registry that can grow), and whether
+    it exists once per trained model (``per_model``) when a block is composed with prefixes.
 
     ``default=REQUIRED`` makes the flag required. A ``bool`` default of False makes a switch
     (``store_true``). ``nargs`` as in argparse (list values). ``type`` overrides the element type
@@ -63,6 +73,12 @@ class ModelConfig:
     dropout: float | None = setting(None, "override every dropout probability in the model config "
                                           "(unset: keep the config's)", unit="probability", per_model=True, type=float)
     trust_remote_code: bool = setting(False, "allow model code from the hub (off: safer)")
+    disable_dropout: bool = setting(False, "DeepSpeed-Chat's spelling of --dropout 0.0")
+
+    @property
+    def dropout_override(self) -> float | None:
+        """The dropout probability to force on the model (0 with ``--disable_dropout``), or None: keep the config's."""
+        return 0.0 if self.disable_dropout else self.dropout
 
 
 @dataclass
@@ -93,6 +109,15 @@ class DataConfig:
     max_seq_len: int = setting(512, "max tokens of prompt + answer", unit="tokens")
     unsupervised_dataset_name: list | None = setting(None, "step 3: text for the PTX loss (step-1 style data); "
                                                            "unset: no PTX loss", nargs="*", type=str)
+
+
+@dataclass
+class EosCheckConfig:
+    """Whether greedy answers end their turn (steps 1 and DPO)."""
+
+    eval_eos_samples: int = setting(0, "at the end, greedily answer this many eval prompts and report the share "
+                                       "ending in EOS", unit="prompts")
+    eval_max_new_tokens: int = setting(64, "answer budget of that EOS check", unit="tokens")
 
 
 @dataclass
@@ -175,7 +200,8 @@ class RolloutConfig:
 
 @dataclass
 class PPOConfig:
-    """The PPO hyper-parameters (DeepSpeed-Chat's defaults; see docs/ppo.md). What the trainer takes."""
+    """Step 3's RL hyper-parameters, for every algorithm (PPO's defaults are DeepSpeed-Chat's; docs/ppo.md,
+    docs/critic_free.md). What the trainer takes."""
 
     per_device_training_batch_size: int = setting(4, "rollouts per PPO micro-batch (also of the experience passes)",
                                                   unit="rollouts")
@@ -189,10 +215,10 @@ class PPOConfig:
                                 choices=("k1", "k3", "abs", "mse"))
     clip_reward_value: float = setting(5.0, "scores are clipped to +-this before the KL penalty")
     cliprange: float = setting(0.2, "PPO policy ratio clip epsilon")
-    cliprange_value: float = setting(0.2, "value clip around the experience's values")
-    gamma: float = setting(1.0, "discount factor of GAE")
-    lam: float = setting(0.95, "lambda of GAE")
-    whiten_advantages: bool = setting(False, "normalise advantages over the buffer's answer tokens")
+    cliprange_value: float = setting(0.2, "ppo: value clip around the experience's values")
+    gamma: float = setting(1.0, "ppo: discount factor of GAE")
+    lam: float = setting(0.95, "ppo: lambda of GAE")
+    whiten_advantages: bool = setting(False, "ppo: normalise advantages over the buffer's answer tokens")
     separate_experience_pass: bool = setting(
         False, "run the actor's and critic's experience forwards even when the rollout batch is one training "
                "micro-batch (by default the first training pass's forwards give the same old log-probs and "
@@ -201,24 +227,50 @@ class PPOConfig:
     unsup_coef: float = setting(27.8, "PTX loss coefficient (with --unsupervised_dataset_name)")
     enable_ema: bool = setting(False, "keep an exponential moving average of the actor (saved as actor_ema/)")
     ema_beta: float = setting(0.992, "EMA decay per actor optimizer step")
-    rl_algorithm: str = setting("ppo", "ppo (actor-critic, GAE) or a critic-free algorithm: grpo (group-relative), "
-                                       "rloo (leave-one-out baseline), reinforce_pp (REINFORCE++, globally whitened); "
-                                       "see docs/critic_free.md", choices=("ppo", "grpo", "rloo", "reinforce_pp"))
-    num_samples_per_prompt: int = setting(1, "answers sampled per prompt, one group (grpo and rloo need >= 2)",
-                                          unit="answers")
-    kl_in: str = setting("reward", "critic-free: where the KL to the reference goes, with coefficient "
-                                   "--init_kl_coef: reward (k1 per-token penalty) or loss (k3 loss term)",
-                         choices=("reward", "loss"))
-    loss_agg_mode: str = setting("token-mean", "critic-free: how the policy loss is averaged over the optimizer "
-                                               "step (global counts: invariant to micro-batches and ranks)",
-                                 choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-    cliprange_low: float | None = setting(None, "critic-free: lower ratio clip epsilon (unset: --cliprange)",
-                                          type=float)
-    cliprange_high: float | None = setting(None, "critic-free: upper ratio clip epsilon (unset: --cliprange_low; "
-                                                 "larger: DAPO's clip-higher)", type=float)
-    rollout_is_cap: float = setting(0.0, "critic-free: truncated importance-sampling correction of the gap between "
-                                         "sampler and training log-probs, weights capped at this (0: off)")
+    rl_algorithm: str = setting("ppo", "the RL algorithm (chatrl.rl.algorithms): ppo (actor-critic, GAE) or a "
+                                       "critic-free one: grpo (group-relative), rloo (leave-one-out baseline), "
+                                       "reinforce_pp (REINFORCE++, globally whitened); see docs/critic_free.md",
+                                choices=algorithms.names)
+    num_samples_per_prompt: int | None = setting(None, "answers sampled per prompt, one group (unset: the "
+                                                       "algorithm's default: 4 for grpo and rloo, else 1)",
+                                                 unit="answers", type=int)
+    kl_in: str = setting("reward", "where the KL to the reference goes, with coefficient --init_kl_coef: reward "
+                                   "(a per-token penalty, --kl_estimator) or loss (a k3 loss term)",
+                         choices=KL_PLACEMENTS)
+    loss_agg_mode: str | None = setting(None, "how the policy loss is averaged over the optimizer step: "
+                                              "micro-batch-token-mean (each micro-batch's token mean, DeepSpeed-Chat's) "
+                                              "or a global count, invariant to micro-batches and ranks (unset: the "
+                                              "algorithm's: micro-batch-token-mean for ppo, token-mean otherwise)",
+                                        choices=LOSS_AGG_MODES, type=str)
+    cliprange_low: float | None = setting(None, "lower ratio clip epsilon (unset: --cliprange)", type=float)
+    cliprange_high: float | None = setting(None, "upper ratio clip epsilon (unset: --cliprange_low; larger: DAPO's "
+                                                 "clip-higher)", type=float)
+    rollout_is_cap: float = setting(0.0, "truncated importance-sampling correction of the gap between sampler and "
+                                         "training log-probs, weights capped at this (0: off)")
     grpo_no_std_scaling: bool = setting(False, "grpo: do not divide by the group's reward std (Dr. GRPO)")
+
+    @property
+    def algorithm(self) -> algorithms.Algorithm:
+        """The :class:`chatrl.rl.algorithms.Algorithm` named by ``rl_algorithm``."""
+        return algorithms.get(self.rl_algorithm)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """``--num_samples_per_prompt``, or the algorithm's default group size when unset."""
+        n = self.num_samples_per_prompt
+        return self.algorithm.default_samples_per_prompt if n is None else n
+
+    @property
+    def loss_aggregation(self) -> str:
+        """``--loss_agg_mode``, or the algorithm's default when unset."""
+        return self.loss_agg_mode or self.algorithm.loss_agg_mode
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """``(eps_low, eps_high)`` of the ratio clip: ``--cliprange_low``/``--cliprange_high``, each
+        defaulting to the other and then to ``--cliprange``."""
+        low = self.cliprange if self.cliprange_low is None else self.cliprange_low
+        return low, (low if self.cliprange_high is None else self.cliprange_high)
 
 
 @dataclass
@@ -297,11 +349,16 @@ def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = 
     """
     defaults = dict(defaults or {})
     g = p.add_argument_group(title or (block.__doc__ or block.__name__).strip().splitlines()[0])
+    present = {a.dest for a in p._actions}
     for f, name in _flag_names(block, prefixes, only, exclude):
         m = f.metadata
         default = f.default_factory() if f.default is MISSING else f.default
         overridden = name in defaults  # a program's default makes a required field optional there
         default = defaults.pop(name, default)
+        if name in present:  # a shared field of a block composed once per model: one flag
+            if overridden and p.get_default(name) != default:
+                raise ValueError(f"--{name}: two defaults for one shared flag ({p.get_default(name)!r}, {default!r})")
+            continue
         who = name[:-len(f.name)].rstrip("_")
         help_text = m["help"] + (f" [{who}]" if who else "") + (f" ({m['unit']})" if m.get("unit") else "")
         kwargs: dict = {"dest": name, "help": help_text}
@@ -314,13 +371,76 @@ def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = 
         else:
             kwargs["type"] = m.get("type") or type(default)
             if m.get("choices"):
-                kwargs["choices"] = list(m["choices"])
+                choices = m["choices"]
+                kwargs["choices"] = list(choices() if callable(choices) else choices)
             if m.get("nargs"):
                 kwargs["nargs"] = m["nargs"]
         g.add_argument(f"--{name}", **kwargs)
     if defaults:
         raise ValueError(f"defaults for unknown flags of {block.__name__}: {sorted(defaults)}")
     return g
+
+
+@dataclass(frozen=True)
+class Use:
+    """How a program composes one block (see :func:`add_block` for the arguments)."""
+
+    block: type
+    prefix: str = ""
+    only: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    defaults: dict | None = None
+    title: str | None = None
+
+
+def uses(block, *, prefix: str = "", only=None, exclude=None, defaults: dict | None = None,
+         title: str | None = None):
+    """A field of a program's settings dataclass: the program uses ``block``.
+
+    Args:
+        prefix: for a block composed once per trained model (step 3: ``"actor_"``, ``"critic_"``),
+            its ``per_model`` fields become ``PREFIX + name`` flags; its shared fields are one
+            flag, added by the first use.
+        only, exclude: field names the program has / does not have (the others keep their
+            declared default in the typed block).
+        defaults: field name → this program's default (the help, unit and type stay the block's).
+        title: the flag group's title in ``--help``.
+    """
+    return field(default=None, metadata={"use": Use(block, prefix, tuple(only) if only else None,
+                                                    tuple(exclude) if exclude else None, dict(defaults or {}),
+                                                    title)})
+
+
+def _uses(settings_cls) -> list[tuple[str, Use]]:
+    out = [(f.name, f.metadata["use"]) for f in fields(settings_cls) if "use" in f.metadata]
+    if not out:
+        raise TypeError(f"{settings_cls.__name__} declares no config.uses(...) field")
+    return out
+
+
+def program_parser(settings_cls, description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The command-line parser of a program whose blocks ``settings_cls`` declares (:func:`uses`).
+
+    Raises:
+        ValueError: a default for a field the block does not have, or two defaults for one shared flag.
+    """
+    p = new_parser(description, prog=prog)
+    for _, use in _uses(settings_cls):
+        prefixes = (use.prefix,) if use.prefix else ()
+        defaults = {}
+        for name, value in (use.defaults or {}).items():
+            f = next((f for f in fields(use.block) if f.name == name), None)
+            if f is None:
+                raise ValueError(f"defaults for unknown field {name!r} of {use.block.__name__}")
+            defaults[(use.prefix if f.metadata.get("per_model") else "") + name] = value
+        add_block(p, use.block, prefixes=prefixes, only=use.only, exclude=use.exclude, defaults=defaults,
+                  title=use.title)
+    return p
+
+
+def read(settings_cls, args: argparse.Namespace):
+    """The typed settings of a program: each :func:`uses` field read back as its block (:func:`from_args`)."""
+    return settings_cls(**{name: from_args(use.block, args, use.prefix) for name, use in _uses(settings_cls)})
 
 
 def from_args(block, args: argparse.Namespace, prefix: str = ""):
@@ -337,7 +457,7 @@ def from_args(block, args: argparse.Namespace, prefix: str = ""):
 def to_argv(parser: argparse.ArgumentParser, values: dict) -> list[str]:
     """Command-line flags for ``values`` (flag name → value), checked against ``parser``.
 
-    ``True`` gives the bare switch, ``False``/``None`` omit the flag, a list gives its items.
+    ``True`` gives the bare switch, ``False``/``None``/an empty list omit the flag, a list gives its items.
 
     Raises:
         KeyError: a name that is not one of ``parser``'s flags.
@@ -347,7 +467,7 @@ def to_argv(parser: argparse.ArgumentParser, values: dict) -> list[str]:
     for name, value in values.items():
         if name not in known:
             raise KeyError(f"{name}: not a flag of {parser.prog}")
-        if value is None or value is False:
+        if value is None or value is False or (isinstance(value, (list, tuple)) and not value):
             continue
         out.append(f"--{name}")
         if value is not True:

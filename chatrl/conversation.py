@@ -4,6 +4,8 @@ next ``Human:`` turn for models without a chat template."""
 
 from __future__ import annotations
 
+from chatrl.data import encode_prompt
+
 HUMAN_MARKER = "\n\nHuman:"
 
 
@@ -14,7 +16,6 @@ def prompt_ids_within(tokenizer, history: list[dict], budget: int) -> tuple[list
     never cut mid-text; system turns are kept; the newest user turn is always kept, cut from the
     left only if it alone is too long. Returns ``(ids, kept_history)``.
     """
-    from chatrl.data import encode_prompt
 
     kept = list(history)
     while True:

@@ -16,13 +16,15 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch
 
-if TYPE_CHECKING:
-    from chatrl.sizes import BatchSizes
+from chatrl import deepspeed_patches
+from chatrl.config import LoraConfig, OptimConfig, ZeroConfig
+from chatrl.models import lora_enabled, optimizer_param_groups
+from chatrl.resilience import report_failure, skip_nonfinite_steps
+from chatrl.sizes import BatchSizes
 
 log = logging.getLogger(__name__)
 
@@ -31,49 +33,6 @@ def _prepare_accelerator_env() -> None:
     """Select DeepSpeed's CPU accelerator when no CUDA device exists (must precede ``import deepspeed``)."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
-
-
-STALE_BUILD_LOCK_S = 600.0  # a JIT build lock older than this is taken for a leftover of a killed build
-
-
-def stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
-    """torch JIT-extension build locks older than ``max_age_s`` seconds (``lock`` files under
-    ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, one folder per extension).
-
-    DeepSpeed JIT-builds its C++ ops at their first use in every new environment (on CPU: its CPU
-    Adam, used with ``--offload``), and torch serialises the build with a lock file that only the
-    building process removes. A process killed while building (Ctrl-C at the first launch, a stopped
-    test run) leaves the file, and every later DeepSpeed process waits for it forever, silently. A build takes seconds to a few minutes,
-    so an old lock is a leftover; :func:`init_distributed` names it in a warning.
-    """
-    import time
-
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's own rule
-    now = time.time()
-    return sorted(p for p in Path(root).glob("*/*/lock")
-                  if p.is_file() and now - p.stat().st_mtime > max_age_s)
-
-
-def _skip_deepspeed_shm_op() -> None:
-    """Keep DeepSpeed's communication backend from loading its CPU shared-memory op (once per process).
-
-    On the CPU accelerator, DeepSpeed's torch backend loads ``deepspeed_shm_comm`` when it is created:
-    a C++ op JIT-built in every new environment (minutes of compiling at a first launch, under a
-    lock that a killed build leaves behind, see :func:`stale_build_locks`), whose initialisation
-    maps a 66 MiB ``/dev/shm/deepspeed_allreduce_buffer_<addr>_<port>_<rank>`` file per rank that
-    DeepSpeed 0.19 never unlinks: each run on a new port left 132 MiB of RAM taken until reboot
-    (22 GiB of this machine's 24 GiB after a day of test runs). The op serves only
-    ``deepspeed.comm.inference_all_reduce`` (DeepSpeed's inference kernels, which chatrl does not
-    use: the hybrid engine's tensor parallelism runs torch's collectives); without it DeepSpeed
-    takes its own path for an op it cannot build, gloo. Replaces ``deepspeed.comm.torch.build_shm_op``
-    by a function returning None; has no effect on CUDA, where the op does not exist.
-    """
-    import importlib
-
-    backend = importlib.import_module("deepspeed.comm.torch")
-    backend.build_shm_op = lambda: None
 
 
 def free_port() -> int:
@@ -114,15 +73,11 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
 
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        for lock in stale_build_locks():  # a DeepSpeed op built later (CPU Adam) would wait on it forever
-            log.warning("%s is older than %.0f min: a torch extension build was killed and left it; every "
-                        "DeepSpeed process waits on it. Delete it if no build is running.", lock,
-                        STALE_BUILD_LOCK_S / 60)
-        _skip_deepspeed_shm_op()
+        deepspeed_patches.before_process_group()
         deepspeed.init_distributed(
             dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False
         )
-    gloo_reduce_scatter_by_all_reduce()
+    deepspeed_patches.after_process_group(single_node=local_world_size() == get_world_size())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     acc = get_accelerator()
     if acc.device_name() == "cuda":
@@ -132,64 +87,6 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
         device = torch.device("cpu")
         place_cpu_threads()
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
-
-
-class _DoneWork:
-    """The handle of a collective that has already completed (``wait`` returns at once)."""
-
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-def gloo_reduce_scatter_by_all_reduce() -> bool:
-    """Make DeepSpeed's reduce-scatter an all-reduce when the backend is gloo on a single node.
-
-    gloo's ring all-reduce is much faster on CPU than its reduce-scatter of the same bytes (2 ranks
-    on one node, fp32, ``bench/collectives.py``: 204 MB all-reduced in 97 ms, reduce-scattered in
-    205 ms; 4 MB: 1.6 against 6.7 ms; below about 1 MB the two are within a fraction of a
-    millisecond). ZeRO-3 reduce-scatters every gradient bucket; on the larger benchmark actor the
-    switch took step 3's ZeRO-3 training phase from 6.33 / 6.49 to 5.91 / 5.94 s per step in two
-    interleaved pairs (``bench/results/step3_h512_ab_2026-12-01_s6.json``). The input ``(world·n,)``
-    is all-reduced in place and this rank's slot becomes the output ``(n,)``: the same sum (bit for bit
-    on two ranks; with more, the two collectives may add in another order, within float rounding).
-
-    Unlike torch's reduce-scatter, the input is overwritten, for every caller of
-    ``deepspeed.comm``'s reduce-scatter in the process: DeepSpeed's ZeRO gradient path treats it as
-    scratch already (it pre-divides it in place and reads only the output); chatrl has no other
-    caller. Across nodes an all-reduce moves twice a reduce-scatter's bytes over the network, so
-    multi-node jobs keep gloo's reduce-scatter. gloo's all-gather is kept too: up to 16 MB, ZeRO-3's
-    per-layer sizes, it takes 0.76–1.27× an all-reduce's time.
-
-    Installed on DeepSpeed's communication backend (``deepspeed.comm``) by :func:`init_distributed`;
-    idempotent; NCCL and other backends are left alone. Returns True when installed.
-    """
-    from deepspeed import comm
-
-    cdb = comm.comm.cdb
-    if getattr(cdb, "_chatrl_reduce_scatter", False):
-        return True
-    if (cdb is None or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "gloo"
-            or local_world_size() != get_world_size()):
-        return False
-    fallback = cdb.reduce_scatter_function
-
-    def reduce_scatter_tensor(output_tensor, input_tensor, op=torch.distributed.ReduceOp.SUM, group=None,
-                              async_op=False):
-        if not (output_tensor.is_contiguous() and input_tensor.is_contiguous()) and fallback is not None:
-            return fallback(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        n, rank = output_tensor.numel(), torch.distributed.get_rank(group)
-        torch.distributed.all_reduce(input_tensor, op=op, group=group)
-        slot = input_tensor.view(-1)[rank * n: (rank + 1) * n]
-        if slot.data_ptr() != output_tensor.data_ptr():  # DeepSpeed usually passes the slot itself
-            output_tensor.view(-1).copy_(slot)
-        return _DoneWork() if async_op else None
-
-    cdb.reduce_scatter_function = reduce_scatter_tensor
-    cdb._chatrl_reduce_scatter = True
-    return True
 
 
 def get_rank() -> int:
@@ -283,8 +180,6 @@ def run_program(main: Callable[[], object]) -> NoReturn:
     this). An exception is reported by :func:`chatrl.resilience.report_failure` and propagates
     (the interpreter exits non-zero as usual).
     """
-    from chatrl.resilience import report_failure
-
     with report_failure():
         result = main()  # noqa: F841  (referenced until the process ends)
         shutdown()
@@ -422,47 +317,6 @@ def make_optimizer(param_groups: list[dict], lr: float, offload: bool, betas=(0.
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
 
 
-_DEEPSPEED_MUON = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
-
-
-class _NoDeepSpeedMuon:
-    """Stands for every name of DeepSpeed's Muon modules in chatrl's processes (:func:`_stub_deepspeed_muon`):
-    nothing is an instance of it, and calling it (building the optimizer, running an update) raises."""
-
-    def __init__(self, *args, **kwargs):
-        raise RuntimeError("chatrl builds its own optimizer (AdamW); DeepSpeed's Muon optimizer is not supported")
-
-
-def _muon_placeholder(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return _NoDeepSpeedMuon
-
-
-def _stub_deepspeed_muon() -> None:
-    """Put placeholders for DeepSpeed's Muon optimizer modules in ``sys.modules``, once per process.
-
-    DeepSpeed imports ``deepspeed.runtime.zero.muon.muon_optimizer`` to ask whether the optimizer is
-    a ``MuonWithAuxAdam`` (when an engine is built: the ZeRO 1-2 support check, ZeRO-3's and the bf16
-    optimizer's set-up), and ZeRO-2 imports ``...original_muon`` at every gradient reduction,
-    calling its ``muon_update`` only for Muon parameter groups. Importing either runs
-    ``torch.compile`` on Muon's kernels: 2-5 s per rank on this machine after an optimizer exists
-    (loaded; ``docs/performance.md``), for an optimizer chatrl never builds (:func:`make_optimizer`
-    builds AdamW, and chatrl's DeepSpeed configs name no optimizer). In the placeholders every name
-    is :class:`_NoDeepSpeedMuon`, so each check answers "no Muon", as with the real modules, and a
-    Muon code path that did run would fail loudly. Modules already imported (a user's own code)
-    are left as they are.
-    """
-    import sys
-    import types
-
-    for name in _DEEPSPEED_MUON:
-        if name not in sys.modules:
-            stub = types.ModuleType(name, "chatrl's placeholder for a DeepSpeed Muon module (chatrl.dist)")
-            stub.__getattr__ = _muon_placeholder
-            sys.modules[name] = stub
-
-
 FROZEN_WHOLE_FRACTION = 1 / 8  # 'auto': a frozen model stays whole up to this share of a rank's device memory
 
 
@@ -546,6 +400,38 @@ def frozen_engine(model: torch.nn.Module, trained_stage: int, batch: BatchSizes,
     return initialize(model, deepspeed_config(batch, stage, offload and stage == 3, dtype, inference=True))
 
 
+def trained_engine(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig, zero: ZeroConfig, dtype: str,
+                   batch: BatchSizes, total_steps: int, warmup_steps: int):
+    """A model to train wrapped by DeepSpeed with its optimizer and learning-rate schedule; returns the engine.
+
+    The one builder of every trained model (steps 1 and 2, DPO, step 3's actor and critic):
+    parameter groups (no weight decay on biases and norms, the LoRA weights at their own rate,
+    :func:`chatrl.models.optimizer_param_groups`) → AdamW (:func:`make_optimizer`) → the schedule
+    (``transformers.get_scheduler``: ``--lr_scheduler_type`` with ``warmup_steps`` of linear
+    warm-up over ``total_steps``) → the DeepSpeed config (:func:`deepspeed_config`) →
+    :func:`initialize`. A collective under ZeRO-3: every rank calls it.
+
+    Args:
+        model: the model (loaded whole, LoRA applied: :func:`chatrl.trainable.load_trainable`).
+        optim: its optimizer block (for step 3, read with the model's prefix: ``--actor_learning_rate``).
+        lora: its LoRA block (the LoRA learning rate). zero: its ZeRO block (stage, offload).
+        dtype: ``fp32`` | ``bf16`` | ``fp16``.
+        batch: the run's batch sizes. total_steps: optimizer steps of this model over the run;
+        warmup_steps: of them, the warm-up (the run's plan: :mod:`chatrl.sizes`).
+
+    Raises:
+        ValueError: an unknown ZeRO stage or dtype (:func:`deepspeed_config`).
+    """
+    from transformers import get_scheduler
+
+    groups = optimizer_param_groups(model, optim.weight_decay, lora.lora_learning_rate if lora_enabled(lora) else None)
+    optimizer = make_optimizer(groups, lr=optim.learning_rate, offload=zero.offload)
+    scheduler = get_scheduler(optim.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps,
+                              num_training_steps=max(total_steps, 1))
+    config = deepspeed_config(batch, zero.zero_stage, zero.offload, dtype, optim.gradient_clipping)
+    return initialize(model, config, optimizer, scheduler)
+
+
 def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """``deepspeed.initialize`` with chatrl's defaults; returns the engine.
 
@@ -556,22 +442,20 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     """
     import deepspeed
 
-    _stub_deepspeed_muon()
+    deepspeed_patches.stub_deepspeed_muon()
     plain = optimizer is not None and _plain_fp32_zero0(config)
-    sparse = sparse_embedding_grads(model) if plain else []
+    sparse = deepspeed_patches.sparse_embedding_grads(model) if plain else []
     max_norm = config.get("gradient_clipping", 0.0) if plain else 0.0
     if max_norm:  # clipped by the non-finite guard below, with the norm it computes anyway
         config = {k: v for k, v in config.items() if k != "gradient_clipping"}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
     if optimizer is not None and not hasattr(engine.optimizer, "overflow"):
-        from chatrl.resilience import skip_nonfinite_steps
-
         # ZeRO 1-3 and DeepSpeed's fp16/bf16 optimizers skip non-finite steps themselves; ZeRO-0 does not
         skip_nonfinite_steps(engine.optimizer, max_norm)
     elif max_norm:
         raise RuntimeError("DeepSpeed wrapped the fp32 ZeRO-0 optimizer; chatrl's gradient clipping would be lost")
     if sparse:
-        _densify_after_allreduce(engine, sparse)
+        deepspeed_patches.densify_after_allreduce(engine, sparse)
     return engine
 
 
@@ -580,47 +464,3 @@ def _plain_fp32_zero0(config: dict) -> bool:
     calls chatrl's torch optimizer directly (no DeepSpeed optimizer wrapper of its own)."""
     return (config.get("zero_optimization", {}).get("stage", 0) == 0 and not config.get("bf16", {}).get("enabled")
             and not config.get("fp16", {}).get("enabled"))
-
-
-def sparse_embedding_grads(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Switch the model's word-embedding tables to sparse gradients where that is exact and cheaper;
-    returns their weights. Called by :func:`initialize` for fp32 ZeRO-0 engines with an optimizer.
-
-    A batch touches a few hundred rows of a word-embedding table (50k rows for GPT-2's
-    vocabulary), yet a dense gradient is the whole table: zeroed, filled, flattened into DeepSpeed's
-    all-reduce bucket, all-reduced and copied back at every step. A sparse gradient (the rows
-    touched) is instead all-gathered by DeepSpeed's engine (its ``sparse_allreduce`` path) and made
-    dense once, after the reduction and before clipping and the optimizer
-    (:func:`_densify_after_allreduce`), so clipping, the non-finite guard and AdamW (whose moments
-    decay on every row) see the same dense sum. Only the tables of Hugging Face models'
-    ``get_input_embeddings()`` are switched, when trainable and used by no other module: a table
-    tied to the LM head gets a dense gradient from the head anyway, and small tables (positions)
-    gain nothing. ZeRO 1-3 and fp16/bf16 optimizers flatten gradients into their own buffers and
-    take no sparse gradient, hence the fp32 ZeRO-0 condition. Measured effect: ``docs/performance.md``.
-    """
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    weights = []
-    for m in model.modules():
-        get = getattr(m, "get_input_embeddings", None)
-        emb = get() if callable(get) else None
-        if (isinstance(emb, torch.nn.Embedding) and emb.weight.requires_grad and uses.get(id(emb.weight)) == 1
-                and emb.max_norm is None and all(w is not emb.weight for w in weights)):
-            emb.sparse = True
-            weights.append(emb.weight)
-    return weights
-
-
-def _densify_after_allreduce(engine, weights: list[torch.nn.Parameter]) -> None:
-    """Make ``weights``' sparse gradients dense right after DeepSpeed's gradient reduction (which sums
-    them across data-parallel ranks as sparse tensors), before the optimizer step and its clipping."""
-    reduce = engine.allreduce_gradients
-
-    def allreduce_then_densify(*args, **kwargs):
-        reduce(*args, **kwargs)
-        for w in weights:
-            if w.grad is not None and w.grad.is_sparse:
-                w.grad = w.grad.to_dense()
-
-    engine.allreduce_gradients = allreduce_then_densify

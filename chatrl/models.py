@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
+from chatrl.config import LoraConfig
 from chatrl.errors import UsageError
+from chatrl.logprobs import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -139,27 +140,6 @@ def load_causal_lm(
     return model
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """DeepSpeed-Chat's LoRA flags.
-
-    ``dim`` is the rank (0 turns LoRA off); ``module_name`` selects every ``nn.Linear`` whose
-    qualified name contains it (DeepSpeed-Chat's ``--lora_module_name``); ``only_optimize_lora``
-    freezes everything else; ``learning_rate`` is the LoRA weights' own rate.
-    """
-
-    dim: int = 0
-    module_name: str = "layers."
-    only_optimize_lora: bool = False
-    learning_rate: float = 5e-4
-    alpha: float | None = None
-    dropout: float = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return self.dim > 0
-
-
 def lora_target_modules(model, module_name: str) -> list[str]:
     """Qualified names of the ``nn.Linear`` modules whose name contains ``module_name``.
 
@@ -173,26 +153,31 @@ def lora_target_modules(model, module_name: str) -> list[str]:
     return names
 
 
-def lora_config(model, lora: LoraSettings):
-    """The ``peft.LoraConfig`` for ``lora`` on ``model`` (``alpha`` defaults to ``dim``: scale 1)."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=lora.dim,
-        lora_alpha=lora.alpha if lora.alpha is not None else lora.dim,
-        lora_dropout=lora.dropout,
-        target_modules=lora_target_modules(model, lora.module_name),
-        bias="none",
-    )
+def lora_enabled(lora: LoraConfig) -> bool:
+    """Whether ``lora`` (a per-model :class:`chatrl.config.LoraConfig`) turns LoRA on (rank > 0)."""
+    return lora.lora_dim > 0
 
 
-def apply_lora(model, lora: LoraSettings):
+def lora_config(model, lora: LoraConfig):
+    """The ``peft.LoraConfig`` for ``lora`` on ``model``: rank ``--lora_dim``, scale 1 (alpha = rank,
+    as DeepSpeed-Chat's default), no LoRA dropout, every ``nn.Linear`` whose name contains
+    ``--lora_module_name``."""
+    import peft
+
+    return peft.LoraConfig(r=lora.lora_dim, lora_alpha=lora.lora_dim, lora_dropout=0.0,
+                           target_modules=lora_target_modules(model, lora.lora_module_name), bias="none")
+
+
+def apply_lora(model, lora: LoraConfig):
     """Wrap ``model`` with peft LoRA adapters, returning the peft model (or ``model`` if LoRA is off).
 
     With ``only_optimize_lora`` only the adapters train (peft's default); otherwise the base
     weights stay trainable too, as DeepSpeed-Chat does.
+
+    Raises:
+        ValueError: ``--lora_module_name`` matches no linear layer (:func:`lora_target_modules`).
     """
-    if not lora.enabled:
+    if not lora_enabled(lora):
         return model
     from peft import get_peft_model
 
@@ -248,11 +233,6 @@ def optimizer_param_groups(model, weight_decay: float, lora_learning_rate: float
     return [g for g in groups if g["params"]]
 
 
-def is_local_model(path: str) -> bool:
-    """True when ``path`` is a local folder holding a ``config.json``."""
-    return os.path.isfile(os.path.join(path, "config.json"))
-
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that follow the mask: ``(B, T)`` long, 0 at each row's first real token.
 
@@ -301,7 +281,7 @@ def head_is_plain(model) -> bool:
 
 
 def labelled_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+                          labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of the positions whose next token carries a label, and those labels, flattened.
 
     The LM head runs on those ``N`` rows only: for a small model with a large vocabulary it is the

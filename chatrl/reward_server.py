@@ -21,7 +21,9 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from chatrl.cli import normalize_argv
 from chatrl.rewards import FunctionReward, WeightedReward, decode_request, split_weight
+from chatrl.rewards.model import TextRewardModel
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from chatrl.cli import normalize_argv
 
     parser = build_parser()
     args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
@@ -100,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     parts = []
     if args.reward_model:
-        from chatrl.rewards.model import TextRewardModel
 
         parts.append((args.reward_model_weight, TextRewardModel(args.reward_model, args.max_seq_len,
                                                                 args.batch_size, args.dtype)))

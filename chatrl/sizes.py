@@ -4,12 +4,15 @@ Batch sizes (:class:`BatchSizes`: per device, gradient accumulation, ranks, glob
 length of a step-1/2 run in optimizer steps (:func:`plan_steps` → :class:`StepPlan`) and every
 size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`). A training loop reads its plan and
 never re-derives a count; a size that does not fit raises ``ValueError`` here, naming the flags
-and a fix, before any model is loaded. Pure arithmetic: no torch, no DeepSpeed.
+and a fix, before any model is loaded. Pure arithmetic: no DeepSpeed, no model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from chatrl.rl.algorithms import Algorithm
+from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES
 
 
 @dataclass(frozen=True)
@@ -93,40 +96,41 @@ class PPOPlan:
 def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
              per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
              gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: int,
-             ptx: bool, rl_algorithm: str = "ppo", num_samples_per_prompt: int = 1) -> PPOPlan:
+             ptx: bool, algorithm: Algorithm, num_samples_per_prompt: int = 1,
+             loss_agg_mode: str = "micro-batch-token-mean") -> PPOPlan:
     """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
 
     Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
-    one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts.
-    A critic-free ``rl_algorithm`` (grpo, rloo, reinforce_pp) learns from the whole buffer at once:
-    its optimizer steps must not straddle PPO epochs (their loss normaliser is counted per step
-    before the first backward pass, ``critic_free.step_normalizers``), it makes no critic step,
-    and grpo/rloo need ``N >= 2``.
+    one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts; the
+    ``algorithm`` (:class:`chatrl.rl.algorithms.Algorithm`) sets the smallest group and whether a
+    critic makes optimizer steps. With a global ``loss_agg_mode`` (:mod:`chatrl.rl.loss`) an
+    optimizer step must not straddle two passes over the buffer (its loss normaliser is counted per
+    step before the first backward pass, :func:`chatrl.rl.loss.step_normalizers`).
 
     The PTX loss (``--unsupervised_dataset_name``) adds one actor micro-step after every PPO
     micro-batch, so the actor makes twice the critic's optimizer steps; its learning-rate schedule
-    is sized for that (Ouyang et al., 2022, eq. 2 mixes the two losses per step).
+    is sized for that (Ouyang et al., 2022, eq. 2 mixes the two losses per step). With a global
+    ``loss_agg_mode`` an actor step must then hold one micro-batch (no accumulation), so that its
+    policy micro-batches are the ones its normaliser counts.
 
     Raises:
-        ValueError: a size below 1, an inexact division (a generation batch not made of whole
-            micro-batches; a buffer not made of whole optimizer steps), no full buffer per epoch, or
-            a warm-up not shorter than the run; the message names the flags and a fix.
+        ValueError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
+            generation batch not made of whole micro-batches; a buffer not made of whole optimizer
+            steps), no full buffer per epoch, or a warm-up not shorter than the run; the message
+            names the flags and a fix.
     """
     for flag, v in (("per_device_generation_batch_size", per_device_generation_batch_size),
                     ("per_device_training_batch_size", per_device_training_batch_size),
                     ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
-                    ("num_train_epochs", num_train_epochs)):
+                    ("num_train_epochs", num_train_epochs), ("num_samples_per_prompt", num_samples_per_prompt)):
         if v < 1:
             raise ValueError(f"--{flag} must be >= 1, got {v}")
-    critic_free = rl_algorithm != "ppo"
-    if rl_algorithm not in ("ppo", "grpo", "rloo", "reinforce_pp"):
-        raise ValueError(f"--rl_algorithm {rl_algorithm!r}: choose ppo, grpo, rloo or reinforce_pp")
-    if num_samples_per_prompt < 1:
-        raise ValueError(f"--num_samples_per_prompt must be >= 1, got {num_samples_per_prompt}")
-    if rl_algorithm in ("grpo", "rloo") and num_samples_per_prompt < 2:
-        raise ValueError(f"--rl_algorithm {rl_algorithm} needs --num_samples_per_prompt >= 2 (a group of one answer "
-                         f"has no baseline), got {num_samples_per_prompt}")
+    if num_samples_per_prompt < algorithm.min_samples_per_prompt:
+        raise ValueError(f"--rl_algorithm {algorithm.name} needs --num_samples_per_prompt >= "
+                         f"{algorithm.min_samples_per_prompt} (a group of one answer has no baseline), got "
+                         f"{num_samples_per_prompt}")
+    global_mode = loss_agg_mode in GLOBAL_LOSS_AGG_MODES
     per_generation = per_device_generation_batch_size * num_samples_per_prompt
     if per_generation % per_device_training_batch_size:
         times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
@@ -137,16 +141,22 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                          "training one")
     micro_per_gen = per_generation // per_device_training_batch_size
     micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
-    if critic_free and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
+    if global_mode and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
         raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
-                         f"{generation_batches * micro_per_gen} micro-batches of one pass over a {rl_algorithm} buffer "
+                         f"{generation_batches * micro_per_gen} micro-batches of one pass over a buffer "
                          f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
-                         "batch): an optimizer step would straddle two passes; choose a divisor")
+                         f"batch): with --loss_agg_mode {loss_agg_mode} an optimizer step would straddle two passes; "
+                         "choose a divisor")
     if micro_per_buffer % gradient_accumulation_steps:
         raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
                          f"{micro_per_buffer} PPO micro-batches of an experience buffer (--generation_batches "
                          f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
                          "generation batch): an optimizer step would straddle two buffers; choose a divisor")
+    if ptx and global_mode and gradient_accumulation_steps > 1:
+        raise ValueError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} needs "
+                         f"--gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX micro-step "
+                         "follows every policy micro-batch, so an accumulated actor step would hold fewer policy "
+                         "micro-batches than its loss normaliser counts")
     buffers_per_epoch = n_generation_batches // generation_batches
     if buffers_per_epoch == 0:
         raise ValueError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
@@ -157,7 +167,8 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
         total = min(total, max_steps)
     policy_steps = total * micro_per_buffer // gradient_accumulation_steps
     actor_steps = policy_steps * (2 if ptx else 1)
-    critic_steps = 0 if critic_free else policy_steps
-    _check_warmup(num_warmup_steps, policy_steps, "actor optimizer steps" if critic_free else "critic optimizer steps")
+    critic_steps = policy_steps if algorithm.needs_critic else 0
+    _check_warmup(num_warmup_steps, policy_steps,
+                  "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
     return PPOPlan(buffers_per_epoch, total, generation_batches * per_generation * world_size,
                    micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps)

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatrl.models import prepare_tokenizer, vocab_size_for
+
 FAMILIES = ("opt", "llama", "qwen2")
 
 
@@ -72,7 +74,6 @@ def make_tiny_model(
         Qwen2ForCausalLM,
     )
 
-    from chatrl.models import prepare_tokenizer, vocab_size_for
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")

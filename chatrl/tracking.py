@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from chatrl.alerts import ALERT_PREFIX, AlertMonitor, format_alert
+from chatrl.config import LogConfig
 
 METRICS_FILE = Path("logs") / "metrics.jsonl"
 SAMPLES_FILE = Path("logs") / "samples.jsonl"
@@ -66,6 +67,12 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(tensorboard_path or str(log_dir / "tb"))
+
+    @classmethod
+    def for_run(cls, log: LogConfig, is_main: bool) -> Tracker:
+        """The tracker of a program's :class:`chatrl.config.LogConfig` (rank 0 writes: ``is_main``)."""
+        return cls(log.output_dir, is_main, log.enable_tensorboard, log.tensorboard_path,
+                   progress=not log.disable_progress_bar)
 
     def resumed_at(self, step: int) -> None:
         """A resumed run continues from optimizer step ``step``: drop the logged rows of later steps.

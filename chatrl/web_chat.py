@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
+from chatrl.data.formatting import uses_chat_template
+from chatrl.models import load_tokenizer
 
 ROLES = ("system", "user", "assistant")
 
@@ -37,8 +39,6 @@ class ChatModel:
     def __init__(self, path: str, device: str, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
-        from chatrl.data.formatting import uses_chat_template
-        from chatrl.models import load_tokenizer
 
         self.path, self.name = path, _short_name(path)
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)

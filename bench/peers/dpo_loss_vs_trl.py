@@ -117,7 +117,7 @@ def compare(work: Path) -> dict:
 
     from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
     from chatrl.step2_dpo.batch import split_pairs
-    from chatrl.step2_dpo.loss import DPOSettings, answer_logps, preference_loss
+    from chatrl.step2_dpo.loss import DPOConfig, answer_logps, preference_loss
 
     trl_out = torch.load(work / "trl.pt", weights_only=True)
     batch = trl_out["batch"]
@@ -127,7 +127,7 @@ def compare(work: Path) -> dict:
         pol, n = answer_logps(logits["policy"], ids, completion)
         ref, _ = answer_logps(logits["reference"], ids, completion)
         (pc, pr), (rc, rr), (nc, nr) = split_pairs(pol), split_pairs(ref), split_pairs(n)
-        return {t: preference_loss(DPOSettings(beta=BETA, loss_type=t), pc, pr, rc, rr, nc, nr)[0].mean().item()
+        return {t: preference_loss(DPOConfig(beta=BETA, loss_type=t), pc, pr, rc, rr, nc, nr)[0].mean().item()
                 for t in LOSS_TYPES}
 
     tok = load_tokenizer(str(work / "policy"))

@@ -46,7 +46,7 @@ STAGES = {"sft": "chatrl.step1_sft", "reward": "chatrl.step2_reward", "ppo": "ch
 def prepare(work: Path) -> dict[str, Path]:
     """The tiny OPT, the reward-model initialisation (PPO's reward and value model) and the pairs."""
     from chatrl.models import load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+    from chatrl.reward_model import load_reward_model, save_reward_model
     from chatrl.tiny import TinySpec, make_tiny_model
 
     model, rm = work / "opt", work / "rm_init"

@@ -2,13 +2,13 @@
 
 Typical use in a step::
 
-    data = build_phase_data(1, args.data_path, tokenizer, data_split=args.data_split)
+    data = phase_data(1, settings.data, tokenizer, seed)     # or build_phase_data(1, paths, tokenizer, ...)
     loader = DataLoader(data.train, collate_fn=SFTCollator(tokenizer.pad_token_id), ...)
 """
 
 from chatrl.data.collate import PairCollator, PromptCollator, SFTCollator
 from chatrl.data.formatting import encode_answer, encode_example, encode_prompt, format_answer, format_prompt
-from chatrl.data.pipeline import PhaseData, build_phase_data
+from chatrl.data.pipeline import PhaseData, build_phase_data, phase_data
 from chatrl.data.report import SkipReport
 from chatrl.data.schema import Sample
 from chatrl.data.sources import load_samples
@@ -29,4 +29,5 @@ __all__ = [
     "format_prompt",
     "load_samples",
     "parse_data_split",
+    "phase_data",
 ]

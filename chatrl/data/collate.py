@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from chatrl.logprobs import IGNORE_INDEX
 
 
 def _as_ids(x) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import dist
+from chatrl.config import DataConfig
 from chatrl.data.cache import Columns, cache_key, load_or_build, to_hf_dataset, tokenizer_fingerprint
 from chatrl.data.examples import PHASE_COLUMNS, tokenize_samples
 from chatrl.data.formatting import FORMAT_VERSION
@@ -192,3 +193,15 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
             log.warning("phase %d: the eval split is empty (no held-out or --eval_data_path row is usable); "
                         "training proceeds without evaluation", phase)
     return PhaseData(TokenizedDataset(train), TokenizedDataset(evals), report)
+
+
+def phase_data(phase: int, data: DataConfig, tokenizer, seed: int, *, data_paths: list[str] | None = None,
+               **overrides) -> PhaseData:
+    """:func:`build_phase_data` with a program's :class:`chatrl.config.DataConfig`: its ``--data_path``
+    (or ``data_paths``), ``--data_split``, ``--max_seq_len``, ``--eval_fraction``,
+    ``--eval_data_path`` and ``--data_output_path``; ``overrides`` replace any of those keyword
+    arguments (step 3's ``max_prompt_len``, its PTX text's ``data_split``)."""
+    kwargs = dict(data_split=data.data_split, max_seq_len=data.max_seq_len, eval_fraction=data.eval_fraction,
+                  eval_data_paths=data.eval_data_path, seed=seed, cache_dir=data.data_output_path)
+    kwargs.update(overrides)
+    return build_phase_data(phase, data_paths or data.data_path, tokenizer, **kwargs)

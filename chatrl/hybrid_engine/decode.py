@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from chatrl.step3_ppo.core import logprobs_from_logits
+from chatrl.logprobs import logprobs_from_logits
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         keep_logprobs: also return the sampler's log-prob of every sampled token,
             log-softmax of the raw fp32 logits (before temperature, top-k, top-p: the
             distribution the training forward scores) by the training forward's formula
-            (:func:`chatrl.step3_ppo.core.logprobs_from_logits`), for ``rollout/logp_diff``.
+            (:func:`chatrl.logprobs.logprobs_from_logits`), for ``rollout/logp_diff``.
 
     Returns:
         ``(tokens, logits)``: ``tokens`` ``(rows, max_new_tokens)`` with ``pad_token_id`` after EOS

@@ -21,8 +21,8 @@ from chatrl.dist import cpu_threads_per_rank, local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
-from chatrl.models import sampling_settings
-from chatrl.step3_ppo.core import logprobs_from_logits
+from chatrl.logprobs import logprobs_from_logits
+from chatrl.models import base_model, sampling_settings
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,6 @@ class HybridEngine:
     def __init__(self, actor_engine, *, enable: bool = True, inference_tp_size: int = 1,
                  tp_gather_partition_size: int = 8, release_inference_cache: bool = False,
                  num_threads: int | None = None, pin_threads: bool | None = None):
-        from chatrl.models import base_model
 
         self.engine = actor_engine
         self.module = actor_engine.module
@@ -295,7 +294,7 @@ class HybridEngine:
             output_logprobs: also return the sampler's log-prob of each sampled token, from the raw
                 fp32 logits (before temperature/top-k/top-p), ``(B, max_new_tokens)``, 0 after
                 generation stopped (step 3's ``rollout/logp_diff``); computed by the training
-                forward's formula (:func:`chatrl.step3_ppo.core.logprobs_from_logits`), so that
+                forward's formula (:func:`chatrl.logprobs.logprobs_from_logits`), so that
                 the gap measures the forward passes only, not two ways of normalising.
 
         Returns:

@@ -30,6 +30,7 @@ from chatrl.hybrid_engine.tp_plan import (
     shard_head_counts,
     tp_plan,
 )
+from chatrl.models import base_model
 from chatrl.weights import gathered
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,6 @@ class InferenceCopy:
     """
 
     def __init__(self, train_module: torch.nn.Module, device: torch.device, tp_mesh=None, group_size: int = 8):
-        from chatrl.models import base_model
 
         self.source = base_model(train_module)
         if family_of(self.source) is None:

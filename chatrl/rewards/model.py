@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from chatrl.data.schema import Sample
+from chatrl.models import load_tokenizer
+from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores
 
 
@@ -27,8 +30,6 @@ class TextRewardModel:
 
     def __init__(self, model_dir: str, max_seq_len: int = 512, batch_size: int = 8, dtype: str = "fp32",
                  device=None, name: str = "model"):
-        from chatrl.models import load_tokenizer
-        from chatrl.step2_reward.model import load_reward_model
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_tokenizer(model_dir)
@@ -36,8 +37,6 @@ class TextRewardModel:
         self.max_seq_len, self.batch_size, self.name = max_seq_len, batch_size, name
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        from chatrl.data.schema import Sample
-        from chatrl.step2_reward.score import encode_rows, prompt_messages, score_sequences
 
         samples = [Sample(prompt_messages(p), a) for p, a in zip(batch.prompts, batch.answers, strict=True)]
         encoded = encode_rows(self.tokenizer, samples, self.max_seq_len)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from chatrl.logprobs import IGNORE_INDEX
+from chatrl.models import labelled_token_logits
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,5 @@ def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     Returns:
         ``(nll_sum, n_tokens)``: a scalar float32 tensor (nats) and a scalar long tensor.
     """
-    from chatrl.models import labelled_token_logits
-
     logits, targets = labelled_token_logits(model, input_ids, attention_mask, labels, IGNORE_INDEX)
     return F.cross_entropy(logits.float(), targets, reduction="sum"), labels.new_tensor(targets.numel())

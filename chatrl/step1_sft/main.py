@@ -19,10 +19,21 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import set_seed
 
-from chatrl import cli, config
-from chatrl.config import setting
+from chatrl import cli, config, dist
+from chatrl.checkpoint import LoopCheckpoints, batch_layout, batches_from, check_output_dir, write_run_marker
+from chatrl.config import setting, uses
+from chatrl.data import SFTCollator, phase_data
+from chatrl.generation import eos_rate
+from chatrl.logprobs import IGNORE_INDEX
+from chatrl.models import check_context_window, load_tokenizer
+from chatrl.resilience import set_progress
+from chatrl.sizes import BatchSizes, plan_steps
+from chatrl.step1_sft.loss import sft_nll
 from chatrl.tracking import Tracker, setup_logging
+from chatrl.trainable import load_trainable
+from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step1")
 
@@ -32,79 +43,53 @@ class SFTConfig:
     """Step 1."""
 
     include_prompt_loss: bool = setting(False, "also train on prompt tokens (off: loss over answer tokens only)")
-    eval_eos_samples: int = setting(0, "at the end, greedily answer this many eval prompts and report the share "
-                                       "ending in EOS", unit="prompts")
-    eval_max_new_tokens: int = setting(64, "answer budget of that EOS check", unit="tokens")
+
+
+@dataclass
+class Step1Settings:
+    """Step 1's blocks (:func:`chatrl.config.uses`)."""
+
+    model: config.ModelConfig = uses(config.ModelConfig)
+    lora: config.LoraConfig = uses(config.LoraConfig)
+    data: config.DataConfig = uses(config.DataConfig, exclude=("unsupervised_dataset_name",),
+                                   defaults={"max_seq_len": 512})
+    batch: config.BatchConfig = uses(config.BatchConfig)
+    optim: config.OptimConfig = uses(config.OptimConfig, defaults={"learning_rate": 1e-3})
+    zero: config.ZeroConfig = uses(config.ZeroConfig, only=("zero_stage", "offload", "local_rank"))
+    log: config.LogConfig = uses(config.LogConfig)
+    ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
+    sft: SFTConfig = uses(SFTConfig)
+    eos_check: config.EosCheckConfig = uses(config.EosCheckConfig)
 
 
 def build_parser():
-    p = cli.new_parser("chatrl step 1: supervised fine-tuning (SFT) of the actor", prog="python -m chatrl.step1_sft")
-    cli.add_model_args(p)
-    cli.add_lora_args(p)
-    cli.add_data_args(p, max_seq_len=512)
-    cli.add_optim_args(p, lr=1e-3)
-    cli.add_dist_args(p)
-    cli.add_log_args(p)
-    cli.add_checkpoint_args(p)
-    config.add_block(p, SFTConfig)
-    return p
+    return config.program_parser(Step1Settings, "chatrl step 1: supervised fine-tuning (SFT) of the actor",
+                                 prog="python -m chatrl.step1_sft")
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, collate, args, info) -> dict:
+def evaluate(engine, dataset, collate, batch: config.BatchConfig, info) -> dict:
     """Token-weighted eval loss and perplexity over the whole eval split, summed over ranks
     (NaN, with ``eval/tokens`` 0, when the eval split is empty)."""
-    from chatrl.dist import all_reduce_sum, eval_batches
-    from chatrl.step1_sft.loss import IGNORE_INDEX, sft_nll
-
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for i, (batch, real) in enumerate(eval_batches(dataset, collate, args.per_device_eval_batch_size,
-                                                   info.rank, info.world_size)):
-        if args.eval_iters and i >= args.eval_iters:
+    for i, (b, real) in enumerate(dist.eval_batches(dataset, collate, batch.per_device_eval_batch_size,
+                                                    info.rank, info.world_size)):
+        if batch.eval_iters and i >= batch.eval_iters:
             break
-        batch = {k: v.to(info.device) for k, v in batch.items()}
-        labels = batch["labels"].masked_fill(~real.to(info.device)[:, None], IGNORE_INDEX)
-        nll, n = sft_nll(engine, batch["input_ids"], batch["attention_mask"], labels)
+        b = {k: v.to(info.device) for k, v in b.items()}
+        labels = b["labels"].masked_fill(~real.to(info.device)[:, None], IGNORE_INDEX)
+        nll, n = sft_nll(engine, b["input_ids"], b["attention_mask"], labels)
         total += torch.tensor([nll.item(), n.item()], dtype=torch.float64)
     engine.train()
-    nll_sum, n_tokens = all_reduce_sum(total).tolist()
+    nll_sum, n_tokens = dist.all_reduce_sum(total).tolist()
     loss = nll_sum / n_tokens if n_tokens else math.nan
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/tokens": n_tokens}
 
 
-@torch.no_grad()
-def eos_rate(engine, dataset, tokenizer, n_samples: int, max_new_tokens: int, zero_stage: int, info) -> float:
-    """Share of greedy answers to the first ``n_samples`` eval prompts that end their turn (EOS or
-    the chat template's end-of-turn token, :func:`chatrl.models.stop_token_ids`).
-
-    Prompts are left-padded; generation is synced across ranks under ZeRO-3.
-    """
-    from chatrl.dist import all_reduce_sum
-    from chatrl.models import base_model, stop_token_ids
-
-    engine.eval()
-    rows = [dataset[i] for i in range(min(n_samples, len(dataset)))]
-    if not rows:
-        return math.nan
-    mine = rows[info.rank::info.world_size]
-    per_rank = math.ceil(len(rows) / info.world_size)
-    prompts = [r["input_ids"][: r["prompt_len"]] for r in mine] + [rows[0]["input_ids"][:1]] * (per_rank - len(mine))
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
-    out = base_model(engine.module).generate(
-        input_ids=ids.to(info.device), attention_mask=mask.to(info.device), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        synced_gpus=zero_stage == 3 and info.world_size > 1)
-    answers = out[:, width:]
-    ended = torch.isin(answers, torch.tensor(stop_token_ids(tokenizer), device=answers.device)).any(dim=1)[: len(mine)]
-    engine.train()
-    counts = all_reduce_sum(torch.tensor([ended.sum().item(), len(mine)], dtype=torch.float64))
-    return counts[0].item() / max(counts[1].item(), 1)
+def eval_prompts(dataset, n: int) -> list:
+    """The prompt ids of the first ``n`` rows of a phase-1 dataset (for the EOS check)."""
+    return [dataset[i]["input_ids"][: dataset[i]["prompt_len"]] for i in range(min(n, len(dataset)))]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -113,73 +98,43 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(argv: list[str] | None = None) -> dict:
-    """Run step 1 and return ``{"metrics", "engine", "tokenizer", "args"}`` (the engine for in-process checks)."""
+    """Run step 1 and return ``{"metrics", "engine", "tokenizer", "settings"}`` (the engine for in-process checks)."""
     args = cli.parse(build_parser(), argv)
-    from transformers import get_scheduler, set_seed
-
-    from chatrl import dist
-    from chatrl.checkpoint import LoopCheckpoints, batches_from, check_output_dir, write_run_marker
-    from chatrl.data import SFTCollator, build_phase_data
-    from chatrl.models import (
-        LoraSettings,
-        apply_lora,
-        check_context_window,
-        enable_gradient_checkpointing,
-        load_causal_lm,
-        load_tokenizer,
-        optimizer_param_groups,
-    )
-    from chatrl.resilience import set_progress
-    from chatrl.sizes import BatchSizes, plan_steps
-    from chatrl.step1_sft.loss import sft_nll
-    from chatrl.weights import save_hf_model
-
-    check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
+    s: Step1Settings = config.read(Step1Settings, args)
+    check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
     set_progress("step 1 (SFT)")
     info = dist.init_distributed()
     setup_logging(info.rank)
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
-    set_seed(args.seed)
+    check_output_dir(s.log.output_dir, s.log.overwrite_output_dir)
+    set_seed(s.optim.seed)
 
-    tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    data = build_phase_data(1, args.data_path, tokenizer, data_split=args.data_split, max_seq_len=args.max_seq_len,
-                            eval_fraction=args.eval_fraction, eval_data_paths=args.eval_data_path,
-                            seed=args.seed, cache_dir=args.data_output_path)
-    collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not args.include_prompt_loss)
-    loader = dist.seeded_loader(data.train, args.per_device_train_batch_size, collate, info, args.seed)
+    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
+    data = phase_data(1, s.data, tokenizer, s.optim.seed)
+    collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)
+    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, collate, info, s.optim.seed)
 
-    model = load_causal_lm(args.model_name_or_path, tokenizer, dtype=args.dtype, dropout=args.dropout,
-                           trust_remote_code=args.trust_remote_code)
-    lora = LoraSettings(args.lora_dim, args.lora_module_name, args.only_optimize_lora, args.lora_learning_rate)
-    model = apply_lora(model, lora)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-
-    batch = BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    plan = plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
-                      args.num_warmup_steps, what="samples")
+    batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
+    plan = plan_steps(len(loader), len(data.train), batch, s.optim.num_train_epochs, s.optim.max_steps,
+                      s.optim.num_warmup_steps, what="samples")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
-    optimizer = dist.make_optimizer(
-        optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
-        lr=args.learning_rate, offload=args.offload)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps,
-                              num_training_steps=total_steps)
-    ds_config = dist.deepspeed_config(batch, args.zero_stage, args.offload, args.dtype, args.gradient_clipping)
-    engine = dist.initialize(model, ds_config, optimizer, scheduler)
+    model = load_trainable("causal_lm", tokenizer, s.model, s.lora).model
+    engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
+                                 plan.num_warmup_steps)
 
-    tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
-                      progress=not args.disable_progress_bar)
+    tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
-                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
-    ckpt = LoopCheckpoints(args, {"model": engine})
+                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
+    layout = batch_layout(info.world_size, per_device_train_batch_size=batch.per_device_batch,
+                          gradient_accumulation_steps=batch.gradient_accumulation_steps)
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, layout)
     step, resumed, metrics = 0, ckpt.resume(), {}
     if resumed:
         step = resumed["step"]
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
-        metrics = evaluate(engine, data.eval, collate, args, info)
+        metrics = evaluate(engine, data.eval, collate, s.batch, info)
         tracker.log(metrics, step=0)
         tracker.write(f"eval before training: loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
     tracker.bar(total_steps, "step 1 SFT", initial=step)
@@ -192,12 +147,12 @@ def run(argv: list[str] | None = None) -> dict:
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             micro = [{k: v.to(info.device) for k, v in next(it).items()}
                      for _ in range(batch.gradient_accumulation_steps)]
-            n_local = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+            n_local = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
             n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
             step_nll = 0.0
             for m in micro:
                 nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"])
-                if step + 1 in args.debug_nonfinite_steps:
+                if step + 1 in s.ckpt.debug_nonfinite_steps:
                     nll = nll * float("nan")
                 engine.backward(nll * (scale_base / max(n_global, 1.0)))
                 engine.step()
@@ -206,15 +161,15 @@ def run(argv: list[str] | None = None) -> dict:
             set_progress(optimizer_step=step)
             tracker.advance()
             ckpt.after_step(step, {"epoch": step // steps_per_epoch})
-            if step % args.log_interval == 0 or step == total_steps:
+            if step % s.log.log_interval == 0 or step == total_steps:
                 loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
-                tracker.log({"train/loss": loss, "train/lr": scheduler.get_last_lr()[0],
+                tracker.log({"train/loss": loss, "train/lr": engine.lr_scheduler.get_last_lr()[0],
                              "train/skipped_steps": ckpt.skipped,
                              "train/tokens": n_global, "train/samples_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
-            if (args.eval_interval and step % args.eval_interval == 0) or epoch_end or step == total_steps:
-                metrics = evaluate(engine, data.eval, collate, args, info)
+            if (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps:
+                metrics = evaluate(engine, data.eval, collate, s.batch, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
             ckpt.save_if_due(step, total_steps, {"epoch": step // steps_per_epoch})
@@ -222,19 +177,19 @@ def run(argv: list[str] | None = None) -> dict:
                 break
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
-            return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}
+            return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
 
-    if args.eval_eos_samples:
-        rate = eos_rate(engine, data.eval, tokenizer, args.eval_eos_samples, args.eval_max_new_tokens,
-                        args.zero_stage, info)
+    if s.eos_check.eval_eos_samples:
+        rate = eos_rate(engine, eval_prompts(data.eval, s.eos_check.eval_eos_samples), tokenizer,
+                        s.eos_check.eval_max_new_tokens, s.zero.zero_stage, info)
         metrics["eval/eos_rate"] = rate
         tracker.log({"eval/eos_rate": rate}, step)
-        tracker.write(f"greedy answers ending in EOS within {args.eval_max_new_tokens} tokens: {rate:.1%}")
+        tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: {rate:.1%}")
     tracker.close()
-    save_hf_model(engine.module, tokenizer, args.output_dir)
+    save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:
-        write_run_marker(args.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
-    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "args": args}
+        write_run_marker(s.log.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
+    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
 
 
 if __name__ == "__main__":

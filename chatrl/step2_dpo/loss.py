@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from chatrl.config import setting
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCE_FREE = ("simpo",)
 
@@ -75,24 +77,31 @@ def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: tor
     return (token_logp * mask).sum(-1), answer_mask[:, 1:].long().sum(-1)
 
 
-@dataclass(frozen=True)
-class DPOSettings:
-    """The loss's hyper-parameters.
+@dataclass
+class DPOConfig:
+    """DPO's loss (DeepSpeed-Chat's names for ``--beta``, ``--label_smoothing``; TRL's for the others)."""
 
-    ``beta``: β, the strength of the implicit KL constraint (inverse temperature of the rewards).
-    ``label_smoothing``: ε in ``[0, 0.5)``, the assumed share of flipped preference labels
-    (sigmoid and SimPO only). ``loss_type``: one of :data:`LOSS_TYPES`. ``simpo_gamma``: γ, SimPO's
-    target reward margin (in reward units; TRL's ``gamma_beta_ratio`` is ``γ/β``). ``rpo_alpha``:
-    α ≥ 0, weight of the chosen answer's per-token NLL added to each pair's loss (0: none).
-    """
-
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    loss_type: str = "sigmoid"
-    simpo_gamma: float = 0.5
-    rpo_alpha: float = 0.0
+    beta: float = setting(0.1, "β: inverse temperature of the implicit reward β·log(π/π_ref); larger keeps the "
+                               "policy closer to the reference")
+    label_smoothing: float = setting(0.0, "ε in [0, 0.5): assumed share of flipped preference labels (conservative "
+                                          "DPO; sigmoid and simpo losses)")
+    loss_type: str = setting("sigmoid", "sigmoid: DPO; ipo: IPO (squared loss, target margin 1/(2β)); hinge: SLiC "
+                                        "hinge; simpo: SimPO (reference-free, length-normalised log-probs)",
+                             choices=LOSS_TYPES)
+    simpo_gamma: float = setting(0.5, "γ: SimPO's target reward margin, in reward units (TRL's gamma_beta_ratio is "
+                                      "γ/β)")
+    rpo_alpha: float = setting(0.0, "α: weight of an SFT term on the chosen answer, α·(−log π(y_w|x)/|y_w|), "
+                                    "added to each pair's loss (RPO, Pang et al. 2024; TRL's name); keeps the "
+                                    "chosen answers and their EOS likely (docs/dpo.md). 0: plain DPO",
+                               unit="loss weight")
 
     def __post_init__(self):
+        """Check the values together.
+
+        Raises:
+            ValueError: naming the flag (an unknown loss, ``--beta <= 0``, ``--label_smoothing``
+                outside ``[0, 0.5)`` or with a loss it does not apply to, a negative ``--rpo_alpha``).
+        """
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"--loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         if not self.beta > 0:
@@ -106,6 +115,7 @@ class DPOSettings:
 
     @property
     def reference_free(self) -> bool:
+        """Whether the loss needs no reference model (SimPO)."""
         return self.loss_type in REFERENCE_FREE
 
 
@@ -114,7 +124,7 @@ def _smoothed_logsigmoid_loss(z: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def preference_loss(
-    settings: DPOSettings,
+    settings: DPOConfig,
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
     ref_chosen: torch.Tensor | None = None,

@@ -25,9 +25,12 @@ import logging
 
 import torch
 
-from chatrl.models import causal_lm_logits
+from chatrl.config import LoraConfig, ZeroConfig
+from chatrl.dist import all_reduce_sum, eval_batches, frozen_engine
+from chatrl.models import causal_lm_logits, lora_enabled
+from chatrl.sizes import BatchSizes
 from chatrl.step2_dpo.batch import split_pairs
-from chatrl.step2_dpo.loss import answer_logps
+from chatrl.step2_dpo.loss import DPOConfig, answer_logps
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +83,6 @@ class ReferenceLogps:
         Each rank scores its shard (every rank the same number of batches, as ZeRO-3 needs), and
         the shards are summed over ranks. Every rank must call it.
         """
-        from chatrl.dist import all_reduce_sum, eval_batches
-
         table = torch.zeros(len(dataset), 2, dtype=torch.float64)
         for batch, real in eval_batches(dataset, collate, batch_size, rank, world):
             chosen, rejected = self.logps(batch)
@@ -95,36 +96,36 @@ class ReferenceLogps:
         self.kind, self.engine = "precomputed", None
 
 
-def reference_kind(settings, lora) -> str:
+def reference_kind(settings: DPOConfig, lora: LoraConfig) -> str:
     """``none`` (reference-free loss), ``adapters_disabled`` (LoRA with ``--only_optimize_lora``) or
     ``copy``; decide it before LoRA wraps the policy (a copy is taken of the bare model)."""
     if settings.reference_free:
         return "none"
-    if lora.enabled and lora.only_optimize_lora:
+    if lora_enabled(lora) and lora.only_optimize_lora:
         return "adapters_disabled"
-    if lora.enabled:
+    if lora_enabled(lora):
         log.info("LoRA without --only_optimize_lora trains the base weights too: the reference is a frozen copy")
     return "copy"
 
 
-def build_reference(kind: str, args, initial_model, policy_engine, batch, info) -> ReferenceLogps:
+def build_reference(kind: str, zero: ZeroConfig, dtype: str, initial_model, policy_engine, batch: BatchSizes,
+                    info) -> ReferenceLogps:
     """The reference of ``kind`` (:func:`reference_kind`; see the module docstring).
 
     Args:
-        args: parsed flags (``zero_stage``, ``offload_reference_model``, ``dtype``).
+        zero: the program's ZeRO block (the policy's stage, ``--offload_reference_model``,
+            ``--partition_frozen_models``). dtype: ``--dtype``.
         initial_model: for ``copy``, a deep copy of the policy taken right after loading (before
             LoRA and DeepSpeed); it becomes the frozen reference. Ignored otherwise.
         policy_engine: the policy's DeepSpeed engine (its module is peft-wrapped with LoRA).
         batch: :class:`~chatrl.sizes.BatchSizes` (the inference engine's config needs them).
     """
-    from chatrl import dist
-
     if kind != "copy":
         return ReferenceLogps(kind, info.device, policy=policy_engine if kind == "adapters_disabled" else None)
     model = initial_model
     model.requires_grad_(False)
     model.eval()
-    engine = dist.frozen_engine(model, args.zero_stage, batch, args.dtype, args.partition_frozen_models,
-                                args.offload_reference_model)
+    engine = frozen_engine(model, zero.zero_stage, batch, dtype, zero.partition_frozen_models,
+                           zero.offload_reference_model)
     engine.eval()
     return ReferenceLogps("copy", info.device, engine=engine)

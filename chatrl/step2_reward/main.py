@@ -4,7 +4,7 @@ Read top to bottom: flags, set-up (distributed, data, model, DeepSpeed engine), 
 training, the training loop with evaluation every ``--eval_interval`` steps and at each epoch end,
 then the HF-format save.
 
-Model: :class:`chatrl.step2_reward.model.RewardModel`, a causal-LM backbone with a bias-free
+Model: :class:`chatrl.reward_model.RewardModel`, a causal-LM backbone with a bias-free
 scalar head; a sequence's score is the head's value at its last real token (from the mask).
 Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of a micro-batch
 (InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one), averaged over
@@ -35,36 +35,50 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import set_seed
 
-from chatrl import cli, config
-from chatrl.config import setting
-from chatrl.dist import eval_batches
+from chatrl import cli, config, dist
+from chatrl.checkpoint import LoopCheckpoints, batch_layout, batches_from, check_output_dir, write_run_marker
+from chatrl.config import setting, uses
+from chatrl.data import PairCollator, phase_data
+from chatrl.models import check_context_window, load_tokenizer
+from chatrl.resilience import set_progress
+from chatrl.reward_model import pair_stats, pairwise_loss, save_reward_model
+from chatrl.sizes import BatchSizes, plan_steps
 from chatrl.tracking import Tracker, setup_logging
+from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step2")
 
 
 @dataclass
-class RewardConfig:
+class Step2Config:
     """Step 2."""
 
     num_padding_at_beginning: int | None = setting(None, "accepted for DeepSpeed-Chat compatibility and ignored: the "
                                                          "end score is found from the attention mask, whatever the "
                                                          "padding", type=int)
-    disable_dropout: bool = setting(False, "DeepSpeed-Chat's spelling of --dropout 0.0")
+
+
+@dataclass
+class Step2Settings:
+    """Step 2's blocks (:func:`chatrl.config.uses`)."""
+
+    model: config.ModelConfig = uses(config.ModelConfig)
+    lora: config.LoraConfig = uses(config.LoraConfig)
+    data: config.DataConfig = uses(config.DataConfig, exclude=("unsupervised_dataset_name",),
+                                   defaults={"max_seq_len": 512})
+    batch: config.BatchConfig = uses(config.BatchConfig)
+    optim: config.OptimConfig = uses(config.OptimConfig, defaults={"learning_rate": 5e-5})
+    zero: config.ZeroConfig = uses(config.ZeroConfig, only=("zero_stage", "offload", "local_rank"))
+    log: config.LogConfig = uses(config.LogConfig)
+    ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
+    step2: Step2Config = uses(Step2Config)
 
 
 def build_parser():
-    p = cli.new_parser("chatrl step 2: reward model training on preference pairs", prog="python -m chatrl.step2_reward")
-    cli.add_model_args(p)
-    cli.add_lora_args(p)
-    cli.add_data_args(p, max_seq_len=512)
-    cli.add_optim_args(p, lr=5e-5)
-    cli.add_dist_args(p)
-    cli.add_log_args(p)
-    cli.add_checkpoint_args(p)
-    config.add_block(p, RewardConfig)
-    return p
+    return config.program_parser(Step2Settings, "chatrl step 2: reward model training on preference pairs",
+                                 prog="python -m chatrl.step2_reward")
 
 
 def split_pairs(end_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,23 +88,20 @@ def split_pairs(end_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, collate, args, info) -> dict:
+def evaluate(engine, dataset, collate, batch: config.BatchConfig, info) -> dict:
     """Pairwise accuracy, mean scores, mean margin and loss over the eval split, summed over ranks.
 
     Returns a dict of ``eval/*`` floats (see the module docstring); ``eval/pairs`` is 0 and the
     rest NaN when the eval split is empty.
     """
-    from chatrl.dist import all_reduce_sum
-    from chatrl.step2_reward.model import pair_stats
-
     engine.eval()
     keys = ("count", "correct", "chosen", "rejected", "margin", "loss")
     total = torch.zeros(len(keys), dtype=torch.float64)
-    batches = eval_batches(dataset, collate, args.per_device_eval_batch_size, info.rank, info.world_size)
-    for n_batch, (batch, real) in enumerate(batches):
-        if args.eval_iters and n_batch >= args.eval_iters:
+    batches = dist.eval_batches(dataset, collate, batch.per_device_eval_batch_size, info.rank, info.world_size)
+    for n_batch, (b, real) in enumerate(batches):
+        if batch.eval_iters and n_batch >= batch.eval_iters:
             break
-        _, scores = engine(batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device))
+        _, scores = engine(b["input_ids"].to(info.device), b["attention_mask"].to(info.device))
         chosen, rejected = split_pairs(scores.float().cpu())
         chosen, rejected = chosen[real], rejected[real]
         if chosen.numel():
@@ -98,13 +109,14 @@ def evaluate(engine, dataset, collate, args, info) -> dict:
             s["loss"] = -torch.nn.functional.logsigmoid(chosen - rejected).double().sum()
             total += torch.stack([s[k] for k in keys])
     engine.train()
-    count, correct, chosen, rejected, margin, loss = all_reduce_sum(total).tolist()
+    count, correct, chosen, rejected, margin, loss = dist.all_reduce_sum(total).tolist()
     n = count if count else float("nan")
     return {"eval/accuracy": correct / n, "eval/chosen_score": chosen / n, "eval/rejected_score": rejected / n,
             "eval/margin": margin / n, "eval/loss": loss / n, "eval/pairs": count}
 
 
 def describe_eval(m: dict) -> str:
+    """One line of ``eval/*`` metrics for the log."""
     return (f"accuracy {m['eval/accuracy']:.4f}, chosen {m['eval/chosen_score']:.4f}, "
             f"rejected {m['eval/rejected_score']:.4f}, margin {m['eval/margin']:.4f} "
             f"({int(m['eval/pairs'])} pairs)")
@@ -119,65 +131,37 @@ def run(argv: list[str] | None = None) -> dict:
     """Run step 2 and return ``{"metrics", "engine"}`` (the engine for the caller to keep until the
     process group is shut down)."""
     args = cli.parse(build_parser(), argv)
-    from transformers import get_scheduler, set_seed
-
-    from chatrl import dist
-    from chatrl.checkpoint import LoopCheckpoints, batches_from, check_output_dir, write_run_marker
-    from chatrl.data import PairCollator, build_phase_data
-    from chatrl.models import (
-        LoraSettings,
-        check_context_window,
-        enable_gradient_checkpointing,
-        load_tokenizer,
-        optimizer_param_groups,
-    )
-    from chatrl.resilience import set_progress
-    from chatrl.sizes import BatchSizes, plan_steps
-    from chatrl.step2_reward.model import load_reward_model, pairwise_loss, save_reward_model, with_lora
-
-    check_context_window(args.model_name_or_path, {"--max_seq_len": args.max_seq_len}, args.trust_remote_code)
+    s: Step2Settings = config.read(Step2Settings, args)
+    check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
     set_progress("step 2 (reward model)")
     info = dist.init_distributed()
     setup_logging(info.rank)
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
-    set_seed(args.seed)
-    if args.num_padding_at_beginning is not None and info.is_main:
+    check_output_dir(s.log.output_dir, s.log.overwrite_output_dir)
+    set_seed(s.optim.seed)
+    if s.step2.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
-    dropout = 0.0 if args.disable_dropout else args.dropout
 
-    tokenizer = load_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Over-long prompts are cut from the left to fit max_seq_len; identical pairs are skipped and counted.
-    data = build_phase_data(2, args.data_path, tokenizer, data_split=args.data_split, max_seq_len=args.max_seq_len,
-                            eval_fraction=args.eval_fraction,
-                            eval_data_paths=args.eval_data_path, seed=args.seed, cache_dir=args.data_output_path)
+    data = phase_data(2, s.data, tokenizer, s.optim.seed)
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")
-    loader = dist.seeded_loader(data.train, args.per_device_train_batch_size, collate, info, args.seed)
+    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, collate, info, s.optim.seed)
 
-    model = load_reward_model(args.model_name_or_path, tokenizer, dtype=args.dtype, require_head=False,
-                              dropout=dropout, trust_remote_code=args.trust_remote_code)
-    lora = LoraSettings(args.lora_dim, args.lora_module_name, args.only_optimize_lora, args.lora_learning_rate)
-    model = with_lora(model, lora)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model.hf)
-
-    batch = BatchSizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, info.world_size)
-    plan = plan_steps(len(loader), len(data.train), batch, args.num_train_epochs, args.max_steps,
-                      args.num_warmup_steps, what="pairs")
+    batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
+    plan = plan_steps(len(loader), len(data.train), batch, s.optim.num_train_epochs, s.optim.max_steps,
+                      s.optim.num_warmup_steps, what="pairs")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
-    optimizer = dist.make_optimizer(
-        optimizer_param_groups(model, args.weight_decay, args.lora_learning_rate if lora.enabled else None),
-        lr=args.learning_rate, offload=args.offload)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps,
-                              num_training_steps=total_steps)
-    ds_config = dist.deepspeed_config(batch, args.zero_stage, args.offload, args.dtype, args.gradient_clipping)
-    engine = dist.initialize(model, ds_config, optimizer, scheduler)
+    model = load_trainable("reward", tokenizer, s.model, s.lora, require_head=False).model
+    engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
+                                 plan.num_warmup_steps)
 
-    tracker = Tracker(args.output_dir, info.is_main, args.enable_tensorboard, args.tensorboard_path,
-                      progress=not args.disable_progress_bar)
+    tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
-                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{args.zero_stage}, {args.dtype}")
-    ckpt = LoopCheckpoints(args, {"model": engine})
+                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
+    layout = batch_layout(info.world_size, per_device_train_batch_size=batch.per_device_batch,
+                          gradient_accumulation_steps=batch.gradient_accumulation_steps)
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, layout)
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
@@ -185,7 +169,7 @@ def run(argv: list[str] | None = None) -> dict:
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
-        metrics = evaluate(engine, data.eval, collate, args, info)
+        metrics = evaluate(engine, data.eval, collate, s.batch, info)
         initial = dict(metrics)
         tracker.log(metrics, step=0)
         tracker.write(f"eval before training: {describe_eval(metrics)}")
@@ -203,7 +187,7 @@ def run(argv: list[str] | None = None) -> dict:
                 chosen, rejected = split_pairs(scores)
                 margin = m.get("margin")
                 loss = pairwise_loss(chosen, rejected, None if margin is None else margin.to(info.device))
-                if step + 1 in args.debug_nonfinite_steps:
+                if step + 1 in s.ckpt.debug_nonfinite_steps:
                     loss = loss * float("nan")
                 engine.backward(loss)
                 engine.step()
@@ -214,15 +198,15 @@ def run(argv: list[str] | None = None) -> dict:
             tracker.advance()
             state = {"epoch": step // steps_per_epoch, "initial_metrics": initial}
             ckpt.after_step(step, state)
-            if step % args.log_interval == 0 or step == total_steps:
+            if step % s.log.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
                 tracker.log({"train/loss": loss_sum / (batch.gradient_accumulation_steps * info.world_size),
-                             "train/accuracy": correct / pairs, "train/lr": scheduler.get_last_lr()[0],
+                             "train/accuracy": correct / pairs, "train/lr": engine.lr_scheduler.get_last_lr()[0],
                              "train/skipped_steps": ckpt.skipped, "train/pairs_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
-            if (args.eval_interval and step % args.eval_interval == 0) or epoch_end or step == total_steps:
-                metrics = evaluate(engine, data.eval, collate, args, info)
+            if (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps:
+                metrics = evaluate(engine, data.eval, collate, s.batch, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe_eval(metrics)}")
             ckpt.save_if_due(step, total_steps, state)
@@ -233,10 +217,10 @@ def run(argv: list[str] | None = None) -> dict:
             return {"metrics": metrics, "engine": engine}
 
     tracker.close()
-    save_reward_model(engine.module, tokenizer, args.output_dir)
+    save_reward_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:
-        write_run_marker(args.output_dir, {"step": 2, "steps": step, "metrics": metrics,
-                                               "initial_metrics": initial, "args": vars(args)})
+        write_run_marker(s.log.output_dir, {"step": 2, "steps": step, "metrics": metrics,
+                                            "initial_metrics": initial, "args": vars(args)})
     return {"metrics": metrics, "engine": engine}
 
 

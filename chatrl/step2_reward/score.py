@@ -30,13 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from chatrl import config
+from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
+from chatrl.data.schema import Sample, is_identical_pair
+from chatrl.data.sources import read_source
+from chatrl.errors import UsageError
+from chatrl.models import check_context_window, load_tokenizer
+from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
 
 
 @dataclass
@@ -62,34 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prompt_messages(prompt: str) -> tuple[dict, ...]:
-    """A command-line prompt as messages: a Human/Assistant transcript is split into its turns,
-    anything else is one user message."""
-    from chatrl.data.schema import HUMAN, parse_transcript
-
-    text = prompt.rstrip()
-    if HUMAN in text and text.endswith("Assistant:"):
-        return parse_transcript(text)
-    return ({"role": "user", "content": prompt.strip()},)
-
-
-def encode_rows(tokenizer, samples, max_seq_len: int) -> list[tuple[list[int], list[int] | None] | None]:
-    """Token ids per sample: ``(prompt + chosen, prompt + rejected or None)``, or ``None`` when an
-    answer alone does not fit ``max_seq_len``. Both sides share one left-cut prompt, as in training."""
-    from chatrl.data.examples import left_cut
-    from chatrl.data.formatting import encode_examples
-
-    messages = [s.messages for s in samples]
-    chosen = encode_examples(tokenizer, messages, [s.chosen for s in samples])
-    rejected = [a for _, a in encode_examples(tokenizer, messages, [s.rejected or "" for s in samples])]
-    out = []
-    for s, (p, c), r in zip(samples, chosen, rejected, strict=True):
-        r = r if s.rejected is not None else None
-        cut = left_cut(p, max_seq_len - max(len(c), len(r or [])), tokenizer.bos_token_id)
-        out.append(None if cut is None else (cut + c, None if r is None else cut + r))
-    return out
-
-
 def file_samples(entry: str, schema: str | None, skips: dict[str, int]) -> tuple[list, list[int]]:
     """The scorable samples of a data file and, for each, its row's position in the file (or slice).
 
@@ -101,9 +80,6 @@ def file_samples(entry: str, schema: str | None, skips: dict[str, int]) -> tuple
         FileNotFoundError / ValueError: as :func:`chatrl.data.sources.read_source`
             (:class:`chatrl.errors.UsageError` for an unknown schema).
     """
-    from chatrl.data.schema import is_identical_pair
-    from chatrl.data.sources import read_source
-
     src = read_source(entry, schema)
     for reason in src.row_skips.values():
         skips[reason] = skips.get(reason, 0) + 1
@@ -118,33 +94,13 @@ def file_samples(entry: str, schema: str | None, skips: dict[str, int]) -> tuple
     return samples, rows
 
 
-@torch.no_grad()
-def score_sequences(model, seqs: list[list[int]], pad_id: int, batch_size: int, device) -> list[float]:
-    """End scores of token sequences, right-padded in batches of ``batch_size`` (float, one per sequence)."""
-    scores: list[float] = []
-    for i in range(0, len(seqs), batch_size):
-        chunk = seqs[i:i + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, s in enumerate(chunk):
-            ids[j, :len(s)] = torch.tensor(s)
-            mask[j, :len(s)] = 1
-        scores += model(ids.to(device), mask.to(device)).end_scores.float().cpu().tolist()
-    return scores
-
-
 def main(argv: list[str] | None = None, out=None) -> dict:
     """Score the pairs given by ``argv`` and print them (to ``out``, default stdout); returns the summary.
 
     Raises:
         SystemExit: neither ``--pairs`` nor ``--prompt`` with ``--chosen`` was given.
     """
-    import os
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from chatrl.cli import normalize_argv
-
     parser = build_parser()
     args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     out = out or sys.stdout
@@ -152,11 +108,6 @@ def main(argv: list[str] | None = None, out=None) -> dict:
         parser.error("give either --pairs FILE or --prompt with --chosen (and optionally --rejected)")
 
     import transformers
-
-    from chatrl.data.schema import Sample
-    from chatrl.errors import UsageError
-    from chatrl.models import check_context_window, load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model
 
     transformers.logging.set_verbosity_error()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -23,8 +23,8 @@ from chatrl.rewards import (
     WeightedReward,
     score_on_all_ranks,
 )
-from chatrl.step3_ppo import critic_free as cf
-from tests.unit.test_critic_free import step_grad, toy_setup
+from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES, logp_diff
+from tests.unit.test_critic_free import critic_free_advantages, step_grad, toy_setup
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -47,25 +47,25 @@ def main():
     result = {"grad_diff": {}}
     W, tokens, mask, old, ref, scores = toy_setup()
     rows = slice(4 * rank, 4 * rank + 4)
-    for mode in cf.LOSS_AGG_MODES:
-        full_adv = cf.critic_free_advantages("grpo", scores, mask, 4)
+    for mode in GLOBAL_LOSS_AGG_MODES:
+        full_adv = critic_free_advantages("grpo", scores, mask, 4)
         local_adv = torch.zeros_like(full_adv)  # only this rank's rows are read
-        local_adv[rows] = cf.critic_free_advantages("grpo", scores[rows], mask[rows], 4)
+        local_adv[rows] = critic_free_advantages("grpo", scores[rows], mask[rows], 4)
         grad = step_grad(W, tokens, mask, old, ref, local_adv, rows, 2, 2, mode, all_reduce_sum)
         grad = all_reduce_sum(grad)
         one = step_grad(W, tokens, mask, old, ref, full_adv, slice(0, 8), 8, 1, mode)
         result["grad_diff"][mode] = (grad - one).abs().max().item()
         result["grad_norm"] = one.norm().item()
 
-    rpp = cf.critic_free_advantages("reinforce_pp", scores[rows], mask[rows], 4, all_reduce_sum=all_reduce_sum)
+    rpp = critic_free_advantages("reinforce_pp", scores[rows], mask[rows], 4, all_reduce_sum=all_reduce_sum)
     gathered = [torch.zeros_like(rpp) for _ in range(world)]
     tdist.all_gather(gathered, rpp)
-    whole = cf.critic_free_advantages("reinforce_pp", scores, mask, 4)
+    whole = critic_free_advantages("reinforce_pp", scores, mask, 4)
     result["reinforce_pp_diff"] = (torch.cat(gathered) - whole).abs().max().item()
 
     sampler = old + 0.01 * torch.arange(8.0).unsqueeze(1)  # row r differs by 0.01 r
-    diff = cf.logp_diff(sampler[rows], old[rows], mask[rows], all_reduce_sum, all_reduce_max)
-    whole_diff = cf.logp_diff(sampler, old, mask)
+    diff = logp_diff(sampler[rows], old[rows], mask[rows], all_reduce_sum, all_reduce_max)
+    whole_diff = logp_diff(sampler, old, mask)
     result["logp_diff"] = {k: (v.item(), whole_diff[k].item()) for k, v in diff.items()}
 
     # Rank 0 asks a working server; rank 1 a port where nothing listens.

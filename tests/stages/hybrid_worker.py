@@ -17,10 +17,11 @@ import warnings
 import torch
 
 from chatrl import dist as cdist
+from chatrl.config import LoraConfig
 from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine, HybridEngineFallbackWarning
 from chatrl.hybrid_engine.inference_copy import release_host_memory
-from chatrl.models import LoraSettings, apply_lora, base_model, load_causal_lm, load_tokenizer
+from chatrl.models import apply_lora, base_model, load_causal_lm, load_tokenizer
 from chatrl.sizes import BatchSizes
 from chatrl.weights import gathered
 
@@ -43,7 +44,7 @@ def load_actor(path: str, lora_dim: int, seed: int = 0):
     tok = load_tokenizer(path, padding_side="left")
     model = load_causal_lm(path, tok)
     if lora_dim:
-        model = apply_lora(model, LoraSettings(dim=lora_dim, module_name="layers."))
+        model = apply_lora(model, LoraConfig(lora_dim=lora_dim, lora_module_name="layers."))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -1,5 +1,5 @@
 """PPO on the pretrained tiny Llama (stories260K) with a rule-based reward, through step 3's real loop
-(:func:`chatrl.step3_ppo.main.build` and :func:`~chatrl.step3_ppo.main.train` with a ``score_fn``).
+(:func:`chatrl.step3_ppo.main.build` with a ``score_fn``, and :func:`~chatrl.step3_ppo.main.train`).
 
 Usage (under torchrun): ppo_worker.py RESULT_JSON WORK_DIR [--steps N] [--hybrid] [--zero STAGE]
 [--model FOLDER] [-- EXTRA STEP-3 FLAGS]
@@ -21,7 +21,7 @@ from chatrl import dist
 from chatrl.cli import parse
 from chatrl.dist import run_program
 from chatrl.models import load_tokenizer
-from chatrl.step2_reward.model import load_reward_model, save_reward_model
+from chatrl.reward_model import load_reward_model, save_reward_model
 from chatrl.step3_ppo.main import build, build_parser, train
 from chatrl.tracking import METRICS_FILE, read_metrics
 from tests.conftest import DATA, STORIES
@@ -55,7 +55,6 @@ def main():
         "--per_device_training_batch_size", "32", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "16",
         "--init_kl_coef", "0.3", "--whiten_advantages", "--ppo_epochs", "2", "--num_train_epochs", "100",
         "--max_steps", str(a.steps), *(["--enable_hybrid_engine"] if a.hybrid else []), *extra])
-    run = build(args)
     letter_e = torch.tensor(["e" in tok.convert_ids_to_tokens(i) for i in range(len(tok))])
 
     def score_fn(seq, mask, prompt_len):
@@ -63,6 +62,7 @@ def main():
         hits = letter_e[answer.clamp(max=len(tok) - 1)] & m
         return 5.0 * hits.sum(1).float() / m.sum(1).clamp(min=1)
 
+    run = build(args, score_fn=score_fn)
     first = {}
     learn, train_actor = run.trainer.learn, run.trainer.train_actor
 
@@ -80,7 +80,7 @@ def main():
         return stats
 
     run.trainer.learn, run.trainer.train_actor = first_learn, first_actor_step
-    train(run, score_fn=score_fn)
+    train(run)
     if info.is_main:
         rows = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "kl" in r]
         with open(a.result, "w") as f:

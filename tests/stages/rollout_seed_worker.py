@@ -19,12 +19,12 @@ def main():
     seen = []
     make_generate = step3.make_generate
 
-    def recording(actor_engine, args, tokenizer, **kwargs):
-        hybrid, generate = make_generate(actor_engine, args, tokenizer, **kwargs)
+    def recording(actor_engine, settings, tokenizer):
+        hybrid, generate = make_generate(actor_engine, settings, tokenizer)
 
         def gen(ids, mask):
-            out = generate(ids, mask)
-            seen.append(out[:, ids.shape[1]:].cpu())
+            out = generate(ids, mask)  # (sequences, sampler log-probs)
+            seen.append(out[0][:, ids.shape[1]:].cpu())
             return out
 
         return hybrid, gen

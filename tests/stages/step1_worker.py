@@ -19,7 +19,7 @@ from chatrl.weights import full_state_dict
 def main():
     out_path, rest = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
     res = run(rest)
-    engine, tok, args = res["engine"], res["tokenizer"], res["args"]
+    engine, tok, s = res["engine"], res["tokenizer"], res["settings"]
     engine.eval()
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in
                                            [tok("Hello there, how are you?").input_ids, tok("Once upon").input_ids]],
@@ -34,7 +34,7 @@ def main():
         return res  # run_program leaves the group with the engine still referenced
     from transformers import AutoModelForCausalLM
 
-    saved = AutoModelForCausalLM.from_pretrained(args.output_dir).eval()
+    saved = AutoModelForCausalLM.from_pretrained(s.log.output_dir).eval()
     with torch.no_grad():
         reloaded = causal_lm_logits(saved, ids, mask)
     m = mask.bool()
@@ -43,10 +43,10 @@ def main():
               "saved_tied": bool(saved.config.tie_word_embeddings)
               and saved.get_output_embeddings().weight is saved.get_input_embeddings().weight,
               "saved_params": sum(p.numel() for p in saved.parameters()),
-              "input_tied": bool(AutoModelForCausalLM.from_pretrained(args.model_name_or_path).config.tie_word_embeddings),
+              "input_tied": bool(AutoModelForCausalLM.from_pretrained(s.model.model_name_or_path).config.tie_word_embeddings),
               "live_tied": bool(getattr(engine.module, "get_base_model", lambda: engine.module)().config.tie_word_embeddings)}
-    if args.lora_dim:
-        base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).state_dict()
+    if s.lora.lora_dim:
+        base = AutoModelForCausalLM.from_pretrained(s.model.model_name_or_path).state_dict()
         moved_base, moved_lora = 0.0, 0.0
         for k, v in trained.items():
             if "lora_" in k:

@@ -74,7 +74,7 @@ def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path):
     from safetensors.torch import load_file
 
     from chatrl.models import load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+    from chatrl.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(STORIES))
     save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "critic")

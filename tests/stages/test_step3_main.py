@@ -21,7 +21,7 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from chatrl.models import load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+    from chatrl.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(STORIES))
     critic = load_reward_model(str(STORIES), tok, require_head=False)
@@ -66,7 +66,7 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
 def test_ranks_sample_independently_and_reproducibly(tmp_path):
     """issue 16 item 5: two ranks given the same prompt drew the same answer token for token."""
     from chatrl.models import load_tokenizer
-    from chatrl.step2_reward.model import load_reward_model, save_reward_model
+    from chatrl.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(STORIES))
     save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "critic")

@@ -14,9 +14,10 @@ import pytest
 
 from chatrl import dist
 from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
-from chatrl.cli import add_dist_args, add_model_args, new_parser, parse
+from chatrl.cli import parse
+from chatrl.config import LoraConfig
 from chatrl.data import build_phase_data, load_samples
-from chatrl.models import LoraSettings, apply_lora, load_causal_lm, load_tokenizer, torch_dtype
+from chatrl.models import apply_lora, load_causal_lm, load_tokenizer, torch_dtype
 from chatrl.sizes import BatchSizes
 from tests.conftest import STORIES, TOKENIZERS
 
@@ -195,7 +196,7 @@ def test_finished_output_dir_message_names_folder_marker_and_both_flags(tmp_path
 
 # 11 ----------------------------------------------------------------------------------------------
 def test_reward_folder_without_value_head_names_the_folder(stories_tok):
-    from chatrl.step2_reward.model import MissingRewardHeadError, load_reward_model
+    from chatrl.reward_model import MissingRewardHeadError, load_reward_model
 
     with pytest.raises(MissingRewardHeadError) as err:
         load_reward_model(str(STORIES), stories_tok, require_head=True)
@@ -233,9 +234,9 @@ def test_bad_data_split_is_named_before_any_data_is_read(gpt2, tmp_path):
 def test_lora_module_name_matching_nothing_names_flag_value_and_model(stories_tok):
     model = load_causal_lm(str(STORIES), stories_tok)
     with pytest.raises(ValueError) as err:  # an OPT module name on a Llama model
-        apply_lora(model, LoraSettings(dim=4, module_name="decoder.layers."))
+        apply_lora(model, LoraConfig(lora_dim=4, lora_module_name="decoder.layers."))
     assert str(err.value) == "--lora_module_name 'decoder.layers.' matches no nn.Linear in LlamaForCausalLM"
-    assert apply_lora(model, LoraSettings(dim=0, module_name="decoder.layers.")) is model  # LoRA off: unused
+    assert apply_lora(model, LoraConfig(lora_dim=0, lora_module_name="decoder.layers.")) is model  # LoRA off: unused
 
 
 # 15 ----------------------------------------------------------------------------------------------
@@ -250,12 +251,12 @@ def test_unknown_dtype_and_zero_stage_name_the_flag(capsys):
     with pytest.raises(ValueError) as err:
         torch_dtype("fp8")
     assert str(err.value) == "--dtype must be one of ['bf16', 'fp16', 'fp32'], got 'fp8'"
-    parser = new_parser("t")
-    add_model_args(parser)
-    add_dist_args(parser)
+    from chatrl.step1_sft.main import build_parser
+
+    parser = build_parser()
     for argv, flag in ((["--dtype", "fp8"], "--dtype"), (["--zero-stage", "5"], "--zero_stage")):
         with pytest.raises(SystemExit) as exit_:
-            parse(parser, ["--model_name_or_path", "m", *argv])
+            parse(parser, ["--model_name_or_path", "m", "--data_path", "d", "--output_dir", "o", *argv])
         assert exit_.value.code == 2
         assert f"argument {flag}: invalid choice" in capsys.readouterr().err
 
@@ -382,19 +383,17 @@ def test_resume_layout_is_recorded_and_another_is_refused(tmp_path):
     """issue 16 item 7: the check LoopCheckpoints.resume runs before loading anything (the 2-rank → 1-rank
     run is tests/stages/test_resume.py::test_resume_with_another_world_size_is_refused_naming_both_layouts)."""
     import json
-    from types import SimpleNamespace
 
     from chatrl.checkpoint import batch_layout, check_resume_layout
     from chatrl.errors import UsageError
 
-    args = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=1)
-    saved = batch_layout(args, 2)
+    saved = batch_layout(2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     assert saved == {"world_size": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
     (tmp_path / "complete.json").write_text(json.dumps({"step": 2, "layout": saved}))
-    check_resume_layout(tmp_path, batch_layout(args, 2))
+    check_resume_layout(tmp_path, batch_layout(2, per_device_train_batch_size=2, gradient_accumulation_steps=1))
     for world, accum in ((1, 1), (2, 2)):
-        args.gradient_accumulation_steps = accum
         with pytest.raises(UsageError, match="it was written with world_size 2, per_device_train_batch_size 2"):
-            check_resume_layout(tmp_path, batch_layout(args, world))
+            check_resume_layout(tmp_path, batch_layout(world, per_device_train_batch_size=2,
+                                                       gradient_accumulation_steps=accum))
     (tmp_path / "complete.json").write_text(json.dumps({"step": 2}))  # an older checkpoint: accepted
-    check_resume_layout(tmp_path, batch_layout(args, 1))
+    check_resume_layout(tmp_path, batch_layout(1, per_device_train_batch_size=2, gradient_accumulation_steps=1))

@@ -1,4 +1,4 @@
-"""Unit tests of the critic-free maths (chatrl.step3_ppo.critic_free): hand-derived values on a group
+"""Unit tests of the advantage estimators and the policy loss (chatrl.rl): hand-derived values on a group
 of 4 answers, no dead option, and gradient invariance under micro-batching, accumulation and ranks."""
 
 from __future__ import annotations
@@ -8,8 +8,21 @@ import math
 import pytest
 import torch
 
-from chatrl.step3_ppo import core
-from chatrl.step3_ppo import critic_free as cf
+from chatrl.logprobs import logprobs_from_logits
+from chatrl.rl import advantages as adv_mod
+from chatrl.rl import core
+from chatrl.rl import loss as loss_mod
+from chatrl.rl.algorithms import ALGORITHMS, get
+from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES
+
+
+def critic_free_advantages(algorithm, scores, mask, n, *, kl=None, kl_coef=0.0, scale_by_std=True,
+                           all_reduce_sum=None):
+    """An algorithm's advantages through its registered estimator (the step-3 loop's path)."""
+    settings = type("Settings", (), {"grpo_no_std_scaling": not scale_by_std})()
+    inputs = adv_mod.AdvantageInputs(scores, mask, kl if kl is not None else torch.zeros_like(mask),
+                                      kl_coef if kl is not None else 0.0, None, n, all_reduce_sum)
+    return ALGORITHMS[algorithm].estimate(inputs, settings).advantages
 
 GARBAGE = 1e6
 S2 = math.sqrt(2.0)
@@ -29,25 +42,8 @@ MASK = prefix_mask(LENGTHS, 3)
 # ----------------------------------------------------------------------------- layout
 
 
-def test_group_layout_derivation_and_errors():
-    lay = cf.derive_group_layout("grpo", 4, 2, 3, 8, 3, 2)
-    assert (lay.prompts_per_buffer, lay.rows_per_buffer, lay.micro_batches_per_buffer) == (6, 24, 3)
-    assert (lay.optimizer_steps_per_buffer, lay.global_rows_per_step) == (1, 8 * 3 * 2)
-    with pytest.raises(ValueError, match="--num_samples_per_prompt >= 2"):
-        cf.derive_group_layout("rloo", 1, 2, 1, 2, 1, 1)
-    assert cf.derive_group_layout("reinforce_pp", 1, 2, 1, 2, 1, 1).rows_per_buffer == 2
-    with pytest.raises(ValueError, match="--per_device_training_batch_size 5 must divide"):
-        cf.derive_group_layout("grpo", 4, 2, 1, 5, 1, 1)
-    with pytest.raises(ValueError, match="--gradient_accumulation_steps 3 must divide the 4 micro-batches"):
-        cf.derive_group_layout("grpo", 4, 2, 1, 2, 3, 1)
-    with pytest.raises(ValueError, match="--rl_algorithm 'dpo'"):
-        cf.derive_group_layout("dpo", 4, 2, 1, 2, 1, 1)
-    with pytest.raises(ValueError, match="--generation_batches must be an integer >= 1"):
-        cf.derive_group_layout("grpo", 4, 2, 0, 2, 1, 1)
-
-
 def test_repeat_prompts_keeps_groups_contiguous():
-    ids, mask = cf.repeat_prompts(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]), 3)
+    ids, mask = adv_mod.repeat_prompts(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]), 3)
     assert ids[:, 1].tolist() == [5, 5, 5, 7, 7, 7]
     assert mask[:, 0].tolist() == [0, 0, 0, 1, 1, 1]
 
@@ -56,33 +52,33 @@ def test_repeat_prompts_keeps_groups_contiguous():
 
 
 def test_grpo_dr_grpo_rloo_outcome_hand_values():
-    grpo = cf.grpo_outcome_advantages(SCORES, 4)
+    grpo = adv_mod.grpo_outcome_advantages(SCORES, 4)
     assert torch.allclose(grpo, torch.tensor([2 / S2, -1 / S2, 0.0, -1 / S2]), atol=1e-5)
-    dr = cf.grpo_outcome_advantages(SCORES, 4, scale_by_std=False)
+    dr = adv_mod.grpo_outcome_advantages(SCORES, 4, scale_by_std=False)
     assert torch.allclose(dr, torch.tensor([2.0, -1.0, 0.0, -1.0]))
     # Leave one out: 3 - (0 + 1 + 0) / 3 = 8/3; 0 - 4/3; 1 - 1; 0 - 4/3.
-    assert torch.allclose(cf.rloo_outcome_advantages(SCORES, 4), torch.tensor([8 / 3, -4 / 3, 0.0, -4 / 3]))
+    assert torch.allclose(adv_mod.rloo_outcome_advantages(SCORES, 4), torch.tensor([8 / 3, -4 / 3, 0.0, -4 / 3]))
     # Two groups are independent; an all-equal group gets 0 (not NaN).
-    two = cf.grpo_outcome_advantages(torch.tensor([3.0, 0, 1, 0, 5, 5, 5, 5]), 4)
+    two = adv_mod.grpo_outcome_advantages(torch.tensor([3.0, 0, 1, 0, 5, 5, 5, 5]), 4)
     assert torch.allclose(two[:4], grpo) and torch.equal(two[4:], torch.zeros(4))
     with pytest.raises(ValueError, match="groups of num_samples_per_prompt=3"):
-        cf.grpo_outcome_advantages(SCORES, 3)
+        adv_mod.grpo_outcome_advantages(SCORES, 3)
     with pytest.raises(ValueError, match=">= 2"):
-        cf.rloo_outcome_advantages(SCORES, 1)
+        adv_mod.rloo_outcome_advantages(SCORES, 1)
 
 
 def test_critic_free_advantages_per_token_hand_values():
     garbage = torch.full((4, 3), GARBAGE)
-    adv = cf.critic_free_advantages("grpo", SCORES, MASK, 4)
+    adv = critic_free_advantages("grpo", SCORES, MASK, 4)
     expected = torch.tensor([[2 / S2, 2 / S2, 0], [-1 / S2] * 3, [0.0, 0, 0], [-1 / S2, -1 / S2, 0]])
     assert torch.allclose(adv, expected, atol=1e-5)
     # KL in the reward (k1, beta 0.5): row 0 has KL 0.1, 0.2 -> reward-to-go -0.5 * (0.3, 0.2).
     kl = torch.where(MASK.bool(), torch.tensor([[0.1, 0.2, 0.0]] * 4), garbage)
-    with_kl = cf.critic_free_advantages("grpo", SCORES, MASK, 4, kl=kl, kl_coef=0.5)
+    with_kl = critic_free_advantages("grpo", SCORES, MASK, 4, kl=kl, kl_coef=0.5)
     assert torch.allclose(with_kl[0, :2], torch.tensor([2 / S2 - 0.15, 2 / S2 - 0.1]), atol=1e-5)
     assert with_kl[0, 2] == 0 and with_kl[2, 0] == pytest.approx(-0.05)
     # REINFORCE++: token values 3,3 | 0,0,0 | 1 | 0,0 whitened over the 8 tokens (unbiased variance).
-    rpp = cf.critic_free_advantages("reinforce_pp", SCORES, MASK, 4)
+    rpp = critic_free_advantages("reinforce_pp", SCORES, MASK, 4)
     std = math.sqrt((2 * 2.125**2 + 5 * 0.875**2 + 0.125**2) / 7)
     assert rpp[0, 0].item() == pytest.approx(2.125 / std, abs=1e-5)
     assert rpp[1, 2].item() == pytest.approx(-0.875 / std, abs=1e-5)
@@ -90,9 +86,11 @@ def test_critic_free_advantages_per_token_hand_values():
     assert rpp[2, 1] == 0
     # On one rank, the global whitening is core.masked_whiten.
     x = torch.randn(4, 3)
-    assert torch.allclose(cf.global_masked_whiten(x, MASK), core.masked_whiten(x, MASK), atol=1e-6)
-    with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
-        cf.critic_free_advantages("ppo", SCORES, MASK, 4)
+    assert torch.allclose(adv_mod.global_masked_whiten(x, MASK), core.masked_whiten(x, MASK), atol=1e-6)
+    with pytest.raises(ValueError, match="PPO's advantages need the critic's values"):
+        critic_free_advantages("ppo", SCORES, MASK, 4)
+    with pytest.raises(Exception, match="--rl_algorithm 'sppo': choose one of ppo, grpo, rloo, reinforce_pp"):
+        get("sppo")
 
 
 def test_global_whiten_over_simulated_ranks_equals_whole_batch():
@@ -100,7 +98,7 @@ def test_global_whiten_over_simulated_ranks_equals_whole_batch():
     x, mask = torch.randn(8, 5), prefix_mask([5, 1, 3, 4, 2, 5, 1, 2], 5)
     whole = core.masked_whiten(x, mask)
     parts = [(x[:4], mask[:4]), (x[4:], mask[4:])]
-    outs = simulate_ranks(lambda r, red: cf.global_masked_whiten(*parts[r], red), 2)
+    outs = simulate_ranks(lambda r, red: adv_mod.global_masked_whiten(*parts[r], red), 2)
     assert torch.allclose(torch.cat(outs), whole, atol=1e-6)
 
 
@@ -149,7 +147,7 @@ def loss_batch():
     log_ratio = torch.tensor([[math.log(1.5), 0.0, GARBAGE], [math.log(0.5), 0.0, math.log(1.1)],
                               [0.3, GARBAGE, GARBAGE], [0.0, 0.0, GARBAGE]])
     logp = torch.where(MASK.bool(), old + log_ratio, torch.full((4, 3), GARBAGE)).requires_grad_()
-    adv = torch.where(MASK.bool(), cf.critic_free_advantages("grpo", SCORES, MASK, 4), torch.full((4, 3), GARBAGE))
+    adv = torch.where(MASK.bool(), critic_free_advantages("grpo", SCORES, MASK, 4), torch.full((4, 3), GARBAGE))
     return logp, old, adv
 
 
@@ -163,16 +161,16 @@ def test_policy_loss_hand_values_for_each_aggregation():
     cases = {"token-mean": (token_sum / 8, 8), "seq-mean-token-mean": (sum(seq_means) / 4, 4),
              "seq-mean-token-sum-norm": (token_sum / 12, 12)}
     for mode, (expected, norm) in cases.items():
-        assert cf.step_normalizers(MASK, 4, 1, mode, constant=3)[0].item() == norm
-        loss, stats = cf.policy_loss(logp, old, adv, MASK, norm, loss_agg_mode=mode)
+        assert loss_mod.step_normalizers(MASK, 4, 1, mode, constant=3)[0].item() == norm
+        loss, stats = loss_mod.policy_loss(logp, old, adv, MASK, norm, loss_agg_mode=mode)
         assert loss.item() == pytest.approx(expected, abs=1e-6), mode
     assert stats["clip_frac_high"].item() == pytest.approx(1 / 8)
     assert stats["clip_frac_low"].item() == pytest.approx(1 / 8)
     # Asymmetric clip (DAPO): eps_high 0.28 lets row 0 token 0 reach 1.28; eps_low 0.3 clips at 0.7.
-    loss, _ = cf.policy_loss(logp, old, adv, MASK, 8, cliprange_low=0.3, cliprange_high=0.28)
+    loss, _ = loss_mod.policy_loss(logp, old, adv, MASK, 8, cliprange_low=0.3, cliprange_high=0.28)
     assert loss.item() == pytest.approx((token_sum - 0.08 * S2 - 0.1 / S2) / 8, abs=1e-6)
     # Gradient w.r.t. logp (token-mean): -A * ratio / 8 where unclipped, 0 where clipped.
-    loss, _ = cf.policy_loss(logp, old, adv, MASK, 8)
+    loss, _ = loss_mod.policy_loss(logp, old, adv, MASK, 8)
     (grad,) = torch.autograd.grad(loss, logp)
     expected_grad = torch.tensor([[0.0, -S2 / 8, 0], [0.0, 1 / S2 / 8, 1.1 / S2 / 8], [0, 0, 0],
                                   [1 / S2 / 8, 1 / S2 / 8, 0]])
@@ -181,11 +179,11 @@ def test_policy_loss_hand_values_for_each_aggregation():
 
 def test_kl_loss_is_weights_and_errors():
     logp, old, adv = loss_batch()
-    base, _ = cf.policy_loss(logp, old, adv, MASK, 8)
+    base, _ = loss_mod.policy_loss(logp, old, adv, MASK, 8)
     # k3 with log r = ref - logp = -0.5 on every token: (e^-0.5 - 1) + 0.5 per token.
     ref = torch.where(MASK.bool(), logp.detach() - 0.5, torch.full((4, 3), GARBAGE))
     k3 = math.exp(-0.5) - 1 + 0.5
-    loss, stats = cf.policy_loss(logp, old, adv, MASK, 8, ref_logp=ref, kl_loss_coef=0.1)
+    loss, stats = loss_mod.policy_loss(logp, old, adv, MASK, 8, ref_logp=ref, kl_loss_coef=0.1)
     assert loss.item() == pytest.approx(base.item() + 0.1 * k3, abs=1e-6)
     assert stats["kl_loss"].item() == pytest.approx(k3, abs=1e-6)
     # Truncated IS weights: exp(old - sampler) capped at 2; rows 1 and 3 get weight 1.5, the rest 1.
@@ -193,25 +191,25 @@ def test_kl_loss_is_weights_and_errors():
     sampler[1] -= math.log(1.5)
     sampler[3] -= math.log(1.5)
     sampler[0, 0] -= 5.0  # weight e^5, capped at 2; row 0 token 0 has zero gradient (clipped) but loss counts
-    w = cf.truncated_is_weights(old, sampler, MASK, cap=2.0)
+    w = loss_mod.truncated_is_weights(old, sampler, MASK, cap=2.0)
     assert w[0, 0].item() == 2.0 and w[1, 1].item() == pytest.approx(1.5) and w[2, 1].item() == 0
-    loss, stats = cf.policy_loss(logp, old, adv, MASK, 8, is_weights=w)
+    loss, stats = loss_mod.policy_loss(logp, old, adv, MASK, 8, is_weights=w)
     expected = (-1.2 * S2 * 2 - S2 + 1.5 * 2.9 / S2 + 1.5 * 2 / S2) / 8
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     with pytest.raises(ValueError, match="must be >= 1"):
-        cf.truncated_is_weights(old, sampler, MASK, cap=0.5)
+        loss_mod.truncated_is_weights(old, sampler, MASK, cap=0.5)
     with pytest.raises(ValueError, match="needs ref_logp"):
-        cf.policy_loss(logp, old, adv, MASK, 8, kl_loss_coef=0.1)
+        loss_mod.policy_loss(logp, old, adv, MASK, 8, kl_loss_coef=0.1)
     with pytest.raises(ValueError, match="needs a constant"):
-        cf.step_normalizers(MASK, 4, 1, "seq-mean-token-sum-norm")
+        loss_mod.step_normalizers(MASK, 4, 1, "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
-        cf.policy_loss(logp, old, adv, MASK, 8, loss_agg_mode="sum")
+        loss_mod.policy_loss(logp, old, adv, MASK, 8, loss_agg_mode="sum")
 
 
 def test_logp_diff_on_masked_tokens_only():
     sampler = torch.tensor([[-1.0, -2.0, GARBAGE], [-1.0, -1.0, -1.0]])
     train = torch.tensor([[-1.0, -2.5, 0.0], [-1.25, -1.0, -1.0]])
-    out = cf.logp_diff(sampler, train, prefix_mask([2, 3], 3))
+    out = loss_mod.logp_diff(sampler, train, prefix_mask([2, 3], 3))
     assert out["rollout/logp_diff_max"].item() == 0.5
     assert out["rollout/logp_diff_mean"].item() == pytest.approx(0.75 / 5)
 
@@ -232,11 +230,11 @@ def test_every_option_changes_the_loss_or_gradient():
 
     def run(algorithm="grpo", scale_by_std=True, kl_in_reward=False, mode="token-mean", low=0.2, high=None,
             cap=None, kl_loss_coef=0.0, constant=5.0):
-        adv = cf.critic_free_advantages(algorithm, scores, mask, 4, kl=kl if kl_in_reward else None, kl_coef=0.3,
+        adv = critic_free_advantages(algorithm, scores, mask, 4, kl=kl if kl_in_reward else None, kl_coef=0.3,
                                         scale_by_std=scale_by_std)
-        norm = cf.step_normalizers(mask, B, 1, mode, constant=constant)[0]
-        w = None if cap is None else cf.truncated_is_weights(old, sampler, mask, cap)
-        loss, _ = cf.policy_loss(logp, old, adv, mask, norm, loss_agg_mode=mode, cliprange_low=low,
+        norm = loss_mod.step_normalizers(mask, B, 1, mode, constant=constant)[0]
+        w = None if cap is None else loss_mod.truncated_is_weights(old, sampler, mask, cap)
+        loss, _ = loss_mod.policy_loss(logp, old, adv, mask, norm, loss_agg_mode=mode, cliprange_low=low,
                                  cliprange_high=high, is_weights=w, ref_logp=ref, kl_loss_coef=kl_loss_coef)
         (g,) = torch.autograd.grad(loss, logp)
         return loss.detach(), g
@@ -274,30 +272,30 @@ def toy_setup(seed: int = 0):
 
 
 def toy_logp(W: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return core.logprobs_from_logits(W[tokens[:, :-1]], tokens[:, 1:])
+    return logprobs_from_logits(W[tokens[:, :-1]], tokens[:, 1:])
 
 
 def step_grad(W, tokens, mask, old, ref, adv, rows, micro_batch, gas, mode, all_reduce_sum=None,
               naive=False) -> torch.Tensor:
     """Summed gradient of one rank's rows trained as micro-batches with a global normaliser."""
     m = mask[rows]
-    norms = cf.step_normalizers(m, micro_batch, gas, mode, constant=5.0, all_reduce_sum=all_reduce_sum)
+    norms = loss_mod.step_normalizers(m, micro_batch, gas, mode, constant=5.0, all_reduce_sum=all_reduce_sum)
     grad = torch.zeros_like(W)
     for i, norm in enumerate(norms):
         sl = slice(rows.start + i * micro_batch, rows.start + (i + 1) * micro_batch)
         if naive:  # the usual bug: each micro-batch normalised by its own count
-            norm = cf.step_normalizers(mask[sl], micro_batch, 1, mode, constant=5.0)[0]
-        loss, _ = cf.policy_loss(toy_logp(W, tokens[sl]), old[sl], adv[sl], mask[sl], norm, loss_agg_mode=mode,
+            norm = loss_mod.step_normalizers(mask[sl], micro_batch, 1, mode, constant=5.0)[0]
+        loss, _ = loss_mod.policy_loss(toy_logp(W, tokens[sl]), old[sl], adv[sl], mask[sl], norm, loss_agg_mode=mode,
                                  cliprange_low=0.2, cliprange_high=0.28, ref_logp=ref[sl], kl_loss_coef=0.1)
         grad += torch.autograd.grad(loss, W)[0]
     return grad
 
 
-@pytest.mark.parametrize("mode", cf.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", GLOBAL_LOSS_AGG_MODES)
 def test_same_gradient_for_one_micro_batch_accumulation_and_two_ranks(mode):
     W, tokens, mask, old, ref, scores = toy_setup()
     # Advantages on each rank's whole buffer: a group of 4 is one rank's rows, so they agree.
-    adv = cf.critic_free_advantages("grpo", scores, mask, 4)
+    adv = critic_free_advantages("grpo", scores, mask, 4)
     args = (W, tokens, mask, old, ref, adv)
     one = step_grad(*args, slice(0, 8), 8, 1, mode)
     accumulated = step_grad(*args, slice(0, 8), 2, 4, mode)
@@ -311,4 +309,5 @@ def test_same_gradient_for_one_micro_batch_accumulation_and_two_ranks(mode):
 
 
 def test_deepspeed_loss_scale_undoes_accumulation_and_rank_average():
-    assert cf.deepspeed_loss_scale(4, 2) == 8.0
+    assert loss_mod.loss_scale("token-mean", 4, 2) == 8.0
+    assert loss_mod.loss_scale("micro-batch-token-mean", 4, 2) == 1.0

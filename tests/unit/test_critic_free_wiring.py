@@ -1,48 +1,69 @@
-"""Step 3's critic-free wiring at parse and plan level: the flags, the derived sizes checked in
-sizes.plan_ppo, the reward checks, and train.py skipping step 2 when no reward model is needed."""
+"""Step 3's wiring at parse and plan level, for every algorithm: the flags, the algorithm's defaults,
+the derived sizes checked in sizes.plan_ppo, which models the reward and critic need, and train.py
+skipping step 2 when the reward comes from rules alone."""
 
 import pytest
 
 from chatrl import config, sizes
-from chatrl.step3_ppo.main import build_parser, check_reward_flags
+from chatrl.errors import UsageError
+from chatrl.rl import algorithms
+from chatrl.step3_ppo.main import build_parser
+from chatrl.step3_ppo.settings import Step3Settings
 
 BASE = ["--actor_model_name_or_path", "a", "--data_path", "d", "--output_dir", "o"]
 
 
-def plan(**kw):
+def settings(*argv) -> Step3Settings:
+    return config.read(Step3Settings, build_parser().parse_args([*BASE, *argv]))
+
+
+def plan(rl_algorithm="ppo", **kw):
+    algorithm = algorithms.get(rl_algorithm)
     args = dict(n_generation_batches=10, n_prompts=40, world_size=2, per_device_generation_batch_size=2,
                 per_device_training_batch_size=4, generation_batches=1, ppo_epochs=1, gradient_accumulation_steps=1,
-                num_train_epochs=1, max_steps=0, num_warmup_steps=0, ptx=False)
+                num_train_epochs=1, max_steps=0, num_warmup_steps=0, ptx=False, algorithm=algorithm,
+                loss_agg_mode=algorithm.loss_agg_mode)
     args.update(kw)
     return sizes.plan_ppo(**args)
 
 
 def test_step3_flags_reach_the_ppo_block():
-    args = build_parser().parse_args(BASE + ["--rl_algorithm", "grpo", "--num_samples_per_prompt", "4",
-                                             "--loss_agg_mode", "seq-mean-token-mean", "--cliprange_low", "0.1",
-                                             "--cliprange_high", "0.3", "--rollout_is_cap", "2", "--kl_in", "loss",
-                                             "--grpo_no_std_scaling", "--reward_fn", "exact_match",
-                                             "0.5*regex_format", "--reward_url", "http://127.0.0.1:1/score"])
-    s = config.from_args(config.PPOConfig, args)
-    assert (s.rl_algorithm, s.num_samples_per_prompt, s.loss_agg_mode, s.kl_in) == \
-        ("grpo", 4, "seq-mean-token-mean", "loss")
-    assert (s.cliprange_low, s.cliprange_high, s.rollout_is_cap, s.grpo_no_std_scaling) == (0.1, 0.3, 2.0, True)
-    assert args.reward_fn == ["exact_match", "0.5*regex_format"] and args.reward_url == ["http://127.0.0.1:1/score"]
-    assert check_reward_flags(args) is False  # rules only: no reward model is loaded
+    s = settings("--rl_algorithm", "grpo", "--num_samples_per_prompt", "4", "--loss_agg_mode", "seq-mean-token-mean",
+                 "--cliprange_low", "0.1", "--cliprange_high", "0.3", "--rollout_is_cap", "2", "--kl_in", "loss",
+                 "--grpo_no_std_scaling", "--reward_fn", "exact_match", "0.5*regex_format", "--reward_url",
+                 "http://127.0.0.1:1/score")
+    p = s.ppo
+    assert (p.rl_algorithm, p.samples_per_prompt, p.loss_aggregation, p.kl_in) == ("grpo", 4, "seq-mean-token-mean", "loss")
+    assert (p.clip_bounds, p.rollout_is_cap, p.grpo_no_std_scaling) == ((0.1, 0.3), 2.0, True)
+    assert s.reward.reward_fn == ["exact_match", "0.5*regex_format"]
+    assert s.reward.reward_url == ["http://127.0.0.1:1/score"]
+    assert s.reward_model_path() is None and s.critic_source() is None  # rules only: no reward model, no critic
 
 
-def test_ppo_defaults_unchanged_and_need_a_critic():
-    args = build_parser().parse_args(BASE)
-    s = config.from_args(config.PPOConfig, args)
-    assert (s.rl_algorithm, s.num_samples_per_prompt) == ("ppo", 1)
-    with pytest.raises(ValueError, match="--critic_model_name_or_path"):
-        check_reward_flags(args)
-    args = build_parser().parse_args(BASE + ["--critic_model_name_or_path", "c", "--reward_fn", "exact_match"])
-    with pytest.raises(ValueError, match="--reward_fn"):
-        check_reward_flags(args)
-    args = build_parser().parse_args(BASE + ["--rl_algorithm", "rloo"])
-    with pytest.raises(ValueError, match="--reward_fn, --reward_url or --reward_model_name_or_path"):
-        check_reward_flags(args)
+def test_algorithm_defaults_fill_unset_flags():
+    ppo = settings().ppo
+    assert (ppo.rl_algorithm, ppo.samples_per_prompt, ppo.loss_aggregation, ppo.clip_bounds) == \
+        ("ppo", 1, "micro-batch-token-mean", (0.2, 0.2))
+    grpo = settings("--rl_algorithm", "grpo").ppo
+    assert (grpo.samples_per_prompt, grpo.loss_aggregation) == (4, "token-mean")
+    assert settings("--rl_algorithm", "reinforce_pp").ppo.samples_per_prompt == 1
+    assert settings("--rl_algorithm", "ppo", "--loss_agg_mode", "token-mean").ppo.loss_aggregation == "token-mean"
+    assert set(algorithms.names()) == {"ppo", "grpo", "rloo", "reinforce_pp"}
+    choices = next(a.choices for a in build_parser()._actions if a.dest == "rl_algorithm")
+    assert list(choices) == list(algorithms.names())  # the flag's choices are the registry
+
+
+def test_which_models_the_reward_and_the_critic_need():
+    s = settings("--critic_model_name_or_path", "rm")
+    assert s.reward_model_path() == "rm" and s.critic_source() == ("rm", True)  # DeepSpeed-Chat's set-up
+    s = settings("--reward_fn", "regex_format")  # PPO with a rule reward alone: critic from the actor
+    assert s.reward_model_path() is None and s.critic_source() == ("a", False)
+    s = settings("--critic_model_name_or_path", "c", "--reward_model_name_or_path", "rm", "--reward_fn", "exact_match")
+    assert s.reward_model_path() == "rm" and s.critic_source() == ("c", True)  # both, summed
+    with pytest.raises(UsageError, match="--critic_model_name_or_path"):
+        settings().critic_source()
+    with pytest.raises(UsageError, match="--reward_fn, --reward_url or --reward_model_name_or_path"):
+        settings("--rl_algorithm", "rloo").reward_model_path()
 
 
 def test_plan_counts_answers_and_no_critic_steps():
@@ -65,21 +86,23 @@ def test_plan_errors_name_the_flag(kw, flag):
         plan(**kw)
 
 
-def test_train_py_skips_step2_without_reward_model():
+def test_train_py_skips_step2_when_rules_give_the_reward():
     import train
     from chatrl.cli import normalize_argv
 
-    parser = train.build_parser()
-    a = parser.parse_args(normalize_argv(["--actor-model", "x", "--rl-algorithm", "grpo", "--reward-fn", "exact_match"],
-                                         {x.dest for x in parser._actions}))
-    steps, flags, why = train.plan_pipeline(a)
+    def pipeline(*argv):
+        parser = train.build_parser()
+        return config.read(train.PipelineSettings,
+                           parser.parse_args(normalize_argv(list(argv), {x.dest for x in parser._actions})))
+
+    steps, flags, why = train.plan_pipeline(pipeline("--actor-model", "x", "--rl-algorithm", "grpo",
+                                                     "--reward-fn", "exact_match"))
     assert steps == [1, 3] and "step 2 (reward model) skipped" in why
-    assert flags[:4] == ["--rl_algorithm", "grpo", "--num_samples_per_prompt", "4"]
-    assert flags[4:] == ["--reward_fn", "exact_match"]
-    parsed = build_parser().parse_args(BASE + flags)  # step 3 accepts what train.py passes
-    assert parsed.rl_algorithm == "grpo" and check_reward_flags(parsed) is False
-    a = train.build_parser().parse_args(["--actor_model", "x", "--reward_model", "y", "--rl_algorithm", "rloo"])
-    assert train.plan_pipeline(a)[0] == [1, 2, 3] and train.plan_pipeline(a)[2] is None
-    a = train.build_parser().parse_args(["--actor_model", "x", "--reward_fn", "exact_match"])
-    with pytest.raises(SystemExit, match="critic-free"):
-        train.plan_pipeline(a)
+    argv = config.to_argv(build_parser(), flags)
+    assert argv == ["--rl_algorithm", "grpo", "--reward_fn", "exact_match"]  # N: the algorithm's default
+    s = settings(*argv)  # step 3 accepts what train.py passes
+    assert s.ppo.rl_algorithm == "grpo" and s.ppo.samples_per_prompt == 4 and s.reward_model_path() is None
+    assert train.plan_pipeline(pipeline("--actor_model", "x", "--reward_model", "y", "--rl_algorithm", "rloo"))[0] == \
+        [1, 2, 3]
+    steps, flags, why = train.plan_pipeline(pipeline("--actor_model", "x", "--reward_fn", "exact_match"))
+    assert steps == [1, 3] and "critic starts from step 1's actor" in why  # PPO with a rule reward

@@ -21,17 +21,20 @@ def test_dpo_flags_parse_with_deepspeed_chat_names_and_both_spellings():
 
 def test_every_dpo_flag_has_help():
     p = build_parser()
-    group = next(g for g in p._action_groups if g.title == "DPO")
-    assert {a.dest for a in group._group_actions} >= {"beta", "label_smoothing", "loss_type", "simpo_gamma",
-                                                      "rpo_alpha", "precompute_ref_log_probs"}
-    # every loss setting is a flag of the DPO block (main.run builds DPOSettings from them by name)
+    dpo = [a for g in p._action_groups if g.title == "DPO" for a in g._group_actions]
+    assert {a.dest for a in dpo} >= {"beta", "label_smoothing", "loss_type", "simpo_gamma", "rpo_alpha",
+                                     "precompute_ref_log_probs"}
+    # every loss setting is a flag of the DPO block, read back typed by the program
     from dataclasses import fields
 
-    from chatrl.step2_dpo.loss import DPOSettings
+    from chatrl import config
+    from chatrl.step2_dpo.loss import DPOConfig
+    from chatrl.step2_dpo.main import DPOSettings
 
-    assert {f.name for f in fields(DPOSettings)} <= {a.dest for a in group._group_actions}
-    assert parse(build_parser(), [*BASE, "--rpo-alpha", "0.5"]).rpo_alpha == 0.5
-    assert all(a.help for a in group._group_actions)
+    assert {f.name for f in fields(DPOConfig)} <= {a.dest for a in dpo}
+    s = config.read(DPOSettings, parse(build_parser(), [*BASE, "--rpo-alpha", "0.5"]))
+    assert s.dpo.rpo_alpha == 0.5 and s.dpo == DPOConfig(rpo_alpha=0.5)
+    assert all(a.help for a in dpo)
     offload = next(a for a in p._actions if a.dest == "offload_reference_model")
     assert "reference" in offload.help
 
@@ -47,17 +50,21 @@ def test_bad_dpo_settings_are_usage_errors(capsys):
     assert "--rpo_alpha must be >= 0, got -1.0" in capsys.readouterr().err
 
 
+def _dpo_argv(models: dict, presets: dict, out: str) -> list[str]:
+    return train.command_flags({**models, **presets, "output_dir": out}, build_parser())
+
+
 def test_train_py_dpo_plan_runs_dpo_on_the_step1_actor_and_no_step3(tmp_path):
-    flags = train.size_preset(1.3, 0.35, "single_gpu", None, None)
+    presets = train.size_preset(1.3, 0.35, "single_gpu", None, None)
     data = ["Dahoas/rm-static"]
     for s in (1, 2, 3):
-        flags[s] = ["--data_path", *data, *flags[s]]
+        presets[s] = {"data_path": data, **presets[s]}
     dirs = {1: tmp_path / "step1_actor", 2: tmp_path / "step2_reward", 3: tmp_path / "step3_rlhf"}
-    models = {1: ["--model_name_or_path", "a"], 2: ["--model_name_or_path", "r"], 3: []}
-    steps = train.dpo_plan(tmp_path, flags, dirs, models, [1, 2, 3])
+    models = {1: {"model_name_or_path": "a"}, 2: {"model_name_or_path": "r"}, 3: {}}
+    steps = train.dpo_plan(tmp_path, presets, dirs, models, [1, 2, 3])
     assert steps == [1, 2]
-    assert dirs[2] == tmp_path / "step2_dpo" and models[2] == ["--model_name_or_path", str(dirs[1])]
-    args = parse(build_parser(), [*models[2], *flags[2], "--output_dir", str(dirs[2])])
+    assert dirs[2] == tmp_path / "step2_dpo" and models[2] == {"model_name_or_path": str(dirs[1])}
+    args = parse(build_parser(), _dpo_argv(models[2], presets[2], str(dirs[2])))
     assert args.lora_dim == 128 and args.zero_stage == 3 and args.gradient_checkpointing  # step 1's actor set-up
     assert args.learning_rate == pytest.approx(9.65e-7) and args.beta == 0.1 and args.num_train_epochs == 1
     assert args.rpo_alpha == 1.0 and args.eval_eos_samples == 32  # the SFT term that keeps EOS (docs/dpo.md)
@@ -68,21 +75,20 @@ def test_train_py_dpo_plan_of_every_preset_parses_with_the_dpo_parser(tmp_path):
     plans = [train.size_preset(a, r, d, None, None) for d in ("single_gpu", "single_node", "multi_node", "cpu")
              for a, r in ((0.125, 0.35), (1.3, 0.35), (6.7, 1.3), (13, 0.35), (66, 7))]
     plans.append(train.demo_plan(tmp_path)[2])
-    for flags in plans:
-        if "--data_path" not in flags[2]:
-            for s in (1, 2, 3):
-                flags[s] = ["--data_path", "Dahoas/rm-static", *flags[s]]
+    for presets in plans:
+        for s in (1, 2, 3):
+            presets[s].setdefault("data_path", ["Dahoas/rm-static"])
         dirs = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}
-        models = {1: [], 2: [], 3: []}
-        assert train.dpo_plan(tmp_path, flags, dirs, models, [1, 2, 3]) == [1, 2]
-        args = parse(build_parser(), [*models[2], *flags[2], "--output_dir", "o"])  # SystemExit on a bad flag
+        models = {1: {}, 2: {}, 3: {}}
+        assert train.dpo_plan(tmp_path, presets, dirs, models, [1, 2, 3]) == [1, 2]
+        args = parse(build_parser(), _dpo_argv(models[2], presets[2], "o"))  # SystemExit on a bad flag
         assert args.model_name_or_path == str(tmp_path / "s1") and args.rpo_alpha == 1.0
 
 
 def test_train_py_dpo_plan_of_the_demo_uses_pair_data_only(tmp_path):
-    _, _, flags = train.demo_plan(tmp_path)
+    _, _, presets = train.demo_plan(tmp_path)
     dirs = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}
-    train.dpo_plan(tmp_path, flags, dirs, {1: [], 2: [], 3: []}, [1, 2])
-    args = parse(build_parser(), ["--model_name_or_path", "m", *flags[2], "--output_dir", "o"])
+    train.dpo_plan(tmp_path, presets, dirs, {1: {}, 2: {}, 3: {}}, [1, 2])
+    args = parse(build_parser(), _dpo_argv({"model_name_or_path": "m"}, presets[2], "o"))
     assert all("hh-rlhf" in d for d in args.data_path) and len(args.data_path) == 2
     assert args.zero_stage == 3 and args.learning_rate == pytest.approx(2e-4)

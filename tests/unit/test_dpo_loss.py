@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs, split_pairs
-from chatrl.step2_dpo.loss import DPOSettings, answer_logps, preference_loss, reward_stats
+from chatrl.step2_dpo.loss import DPOConfig, answer_logps, preference_loss, reward_stats
 
 # Two pairs. Pair 0: h = (-10 + 11) - (-12 + 11) = 2. Pair 1: h = (-5 + 5) - (-4 + 5) = -1.
 PC, PR = torch.tensor([-10.0, -5.0]), torch.tensor([-12.0, -4.0])
@@ -15,7 +15,7 @@ RC, RR = torch.tensor([-11.0, -5.0]), torch.tensor([-11.0, -5.0])
 
 
 def _loss(**kw):
-    return preference_loss(DPOSettings(**kw), PC, PR, RC, RR)
+    return preference_loss(DPOConfig(**kw), PC, PR, RC, RR)
 
 
 def test_sigmoid_loss_and_rewards_by_hand():
@@ -34,7 +34,7 @@ def test_label_smoothing_is_the_conservative_mixture():
 
 
 def test_ipo_loss_by_hand():
-    s = DPOSettings(beta=0.1, loss_type="ipo")
+    s = DPOConfig(beta=0.1, loss_type="ipo")
     losses, chosen, _ = preference_loss(s, PC, PR, RC, RR, torch.tensor([2, 1]), torch.tensor([1, 4]))
     # per-token log-ratios: pair 0: 1/2 - (-1)/1 = 1.5; pair 1: 0/1 - 1/4 = -0.25; 1/(2β) = 5
     # (1.5 - 5)² = 12.25, (-0.25 - 5)² = 27.5625
@@ -50,7 +50,7 @@ def test_hinge_loss_by_hand():
 
 
 def test_simpo_is_reference_free_and_length_normalised():
-    s = DPOSettings(beta=2.0, loss_type="simpo", simpo_gamma=0.5)
+    s = DPOConfig(beta=2.0, loss_type="simpo", simpo_gamma=0.5)
     assert s.reference_free
     # chosen -10 over 5 tokens = -2, rejected -12 over 4 tokens = -3: β Δ̄ - γ = 2·1 - 0.5 = 1.5
     losses, chosen, rejected = preference_loss(s, PC[:1], PR[:1], chosen_len=torch.tensor([5]),
@@ -66,7 +66,7 @@ def test_simpo_is_reference_free_and_length_normalised():
 def test_gradient_of_sigmoid_loss_matches_the_paper():
     # ∂L/∂π_c = -β σ(-βh) (Rafailov et al. 2023, eq. 8 with one pair)
     pc = PC[:1].clone().requires_grad_(True)
-    losses, _, _ = preference_loss(DPOSettings(beta=0.1), pc, PR[:1], RC[:1], RR[:1])
+    losses, _, _ = preference_loss(DPOConfig(beta=0.1), pc, PR[:1], RC[:1], RR[:1])
     losses.sum().backward()
     assert pc.grad.item() == pytest.approx(-0.1 * torch.sigmoid(torch.tensor(-0.2)).item(), abs=1e-7)
 
@@ -74,7 +74,7 @@ def test_gradient_of_sigmoid_loss_matches_the_paper():
 def test_rpo_adds_the_chosen_answers_per_token_nll_by_hand():
     nc, nr = torch.tensor([2, 1]), torch.tensor([1, 4])
     pc = PC.clone().requires_grad_(True)
-    losses, chosen, rejected = preference_loss(DPOSettings(beta=0.1, rpo_alpha=0.5), pc, PR, RC, RR, nc, nr)
+    losses, chosen, rejected = preference_loss(DPOConfig(beta=0.1, rpo_alpha=0.5), pc, PR, RC, RR, nc, nr)
     # sigmoid losses above + α · (−log π(y_w) / |y_w|): 0.5 · 10/2 = 2.5 and 0.5 · 5/1 = 2.5
     assert losses.tolist() == pytest.approx([3.0981388693, 3.2443966600], abs=1e-6)
     assert chosen.tolist() == pytest.approx([0.1, 0.0], abs=1e-7)  # rewards unchanged by the NLL term
@@ -84,15 +84,15 @@ def test_rpo_adds_the_chosen_answers_per_token_nll_by_hand():
     expected = -0.1 * torch.sigmoid(torch.tensor(-0.2)).item() - 0.5 / 2
     assert pc.grad.tolist() == pytest.approx([expected, 0.0], abs=1e-7)
     # SimPO too (its own reference-free loss, plus the same term)
-    s = DPOSettings(beta=2.0, loss_type="simpo", simpo_gamma=0.5, rpo_alpha=1.0)
+    s = DPOConfig(beta=2.0, loss_type="simpo", simpo_gamma=0.5, rpo_alpha=1.0)
     simpo, _, _ = preference_loss(s, PC[:1], PR[:1], chosen_len=torch.tensor([5]), rejected_len=torch.tensor([4]))
     assert simpo.item() == pytest.approx(0.2014132779 + 10 / 5, abs=1e-6)
     with pytest.raises(ValueError, match="--rpo_alpha needs"):
-        preference_loss(DPOSettings(rpo_alpha=1.0), PC, PR, RC, RR)
+        preference_loss(DPOConfig(rpo_alpha=1.0), PC, PR, RC, RR)
 
 
 def test_every_setting_changes_the_loss():
-    """No dead option: each field of DPOSettings, moved from the default, changes the losses."""
+    """No dead option: each field of DPOConfig, moved from the default, changes the losses."""
     from dataclasses import fields
 
     g = torch.Generator().manual_seed(1)
@@ -101,38 +101,38 @@ def test_every_setting_changes_the_loss():
     nc, nr = torch.randint(1, 9, (6,), generator=g), torch.randint(1, 9, (6,), generator=g)
     variants = {"beta": {"beta": 0.3}, "label_smoothing": {"label_smoothing": 0.2},
                 "loss_type": {"loss_type": "ipo"}, "rpo_alpha": {"rpo_alpha": 1.0}}
-    assert set(variants) | {"simpo_gamma"} == {f.name for f in fields(DPOSettings)}  # a new field needs a row here
-    base = preference_loss(DPOSettings(), pc, pr, rc, rr, nc, nr)[0]
+    assert set(variants) | {"simpo_gamma"} == {f.name for f in fields(DPOConfig)}  # a new field needs a row here
+    base = preference_loss(DPOConfig(), pc, pr, rc, rr, nc, nr)[0]
     for name, kw in variants.items():
-        moved = preference_loss(DPOSettings(**kw), pc, pr, rc, rr, nc, nr)[0]
+        moved = preference_loss(DPOConfig(**kw), pc, pr, rc, rr, nc, nr)[0]
         assert (moved - base).abs().max().item() > 1e-4, name
-    simpo = preference_loss(DPOSettings(loss_type="simpo"), pc, pr, rc, rr, nc, nr)[0]
-    gamma = preference_loss(DPOSettings(loss_type="simpo", simpo_gamma=1.5), pc, pr, rc, rr, nc, nr)[0]
+    simpo = preference_loss(DPOConfig(loss_type="simpo"), pc, pr, rc, rr, nc, nr)[0]
+    gamma = preference_loss(DPOConfig(loss_type="simpo", simpo_gamma=1.5), pc, pr, rc, rr, nc, nr)[0]
     assert (gamma - simpo).abs().max().item() > 1e-4, "simpo_gamma"
     for loss_type in ("hinge", "simpo"):
-        other = preference_loss(DPOSettings(loss_type=loss_type), pc, pr, rc, rr, nc, nr)[0]
+        other = preference_loss(DPOConfig(loss_type=loss_type), pc, pr, rc, rr, nc, nr)[0]
         assert (other - base).abs().max().item() > 1e-4, loss_type
 
 
 def test_bad_settings_and_inputs_raise():
     with pytest.raises(ValueError, match="--loss_type"):
-        DPOSettings(loss_type="kto")
+        DPOConfig(loss_type="kto")
     with pytest.raises(ValueError, match="--beta"):
-        DPOSettings(beta=0.0)
+        DPOConfig(beta=0.0)
     with pytest.raises(ValueError, match="--label_smoothing"):
-        DPOSettings(label_smoothing=0.5)
+        DPOConfig(label_smoothing=0.5)
     with pytest.raises(ValueError, match="--label_smoothing applies"):
-        DPOSettings(loss_type="ipo", label_smoothing=0.1)
+        DPOConfig(loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match="--rpo_alpha"):
-        DPOSettings(rpo_alpha=-0.1)
+        DPOConfig(rpo_alpha=-0.1)
     with pytest.raises(ValueError, match="reference"):
-        preference_loss(DPOSettings(), PC, PR)
+        preference_loss(DPOConfig(), PC, PR)
     with pytest.raises(ValueError, match="token counts"):
-        preference_loss(DPOSettings(loss_type="simpo"), PC, PR)
+        preference_loss(DPOConfig(loss_type="simpo"), PC, PR)
     with pytest.raises(ValueError, match="token counts"):
-        preference_loss(DPOSettings(loss_type="ipo"), PC, PR, RC, RR)
+        preference_loss(DPOConfig(loss_type="ipo"), PC, PR, RC, RR)
     with pytest.raises(ValueError, match="disagree"):
-        preference_loss(DPOSettings(), PC, PR, RC[:1], RR)
+        preference_loss(DPOConfig(), PC, PR, RC[:1], RR)
 
 
 def test_reward_stats_count_ties_as_wrong():

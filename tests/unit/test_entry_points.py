@@ -50,12 +50,11 @@ def test_size_presets_scale_with_model_and_deployment():
     small = train.size_preset(1.3, 0.35, "single_gpu", None, None)
     big = train.size_preset(13, 0.35, "single_node", None, None)
     huge_one_gpu = train.size_preset(13, 0.35, "single_gpu", None, None)
-    assert "--lora_dim" in small[1] and "--offload" not in small[1]
-    assert big[3][big[3].index("--actor_zero_stage") + 1] == "3" and "--inference_tp_size" in big[3]
-    assert "--offload" in huge_one_gpu[1] and "--offload_reference_model" in huge_one_gpu[3]
+    assert small[1]["lora_dim"] == 128 and not small[1]["offload"]
+    assert big[3]["actor_zero_stage"] == 3 and big[3]["inference_tp_size"] == 2
+    assert huge_one_gpu[1]["offload"] and huge_one_gpu[3]["offload_reference_model"]
     forced = train.size_preset(13, 0.35, "single_node", 2, 1)
-    assert forced[1][forced[1].index("--zero_stage") + 1] == "2"
-    assert forced[2][forced[2].index("--zero_stage") + 1] == "1"
+    assert forced[1]["zero_stage"] == 2 and forced[2]["zero_stage"] == 1
 
 
 def test_multi_node_needs_a_hostfile(tmp_path):
@@ -97,13 +96,11 @@ def test_missing_local_data_path_is_refused_at_parse_time(tmp_path):
 
 
 def test_demo_plan_uses_each_data_set_once_per_step(tmp_path):
-    _, _, flags = train.demo_plan(tmp_path)
-    for step, args in flags.items():
-        start = args.index("--data_path") + 1
-        end = next(i for i in range(start, len(args)) if args[i].startswith("--"))
-        paths = args[start:end]
+    _, _, presets = train.demo_plan(tmp_path)
+    for step, values in presets.items():
+        paths = values["data_path"]
         assert len(paths) == len(set(paths)), (step, paths)
-    assert any("alpaca" in p for p in flags[1]) and not any("alpaca" in p for p in flags[2])
+    assert any("alpaca" in p for p in presets[1]["data_path"]) and not any("alpaca" in p for p in presets[2]["data_path"])
 
 
 @pytest.mark.parametrize("module", ["chatrl.step1_sft.main", "chatrl.step2_reward.main", "chatrl.step3_ppo.main"])

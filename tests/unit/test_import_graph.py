@@ -66,3 +66,49 @@ def test_chatrl_modules_import_no_cycle():
     graph = import_graph()
     assert "chatrl.dist" in graph and graph["chatrl.step3_ppo.main"], "the walk found the package's imports"
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def step_of(module: str) -> str | None:
+    """The step package a module belongs to (``chatrl.step3_ppo``), or None for library code."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[1].startswith("step") else None
+
+
+def test_layers():
+    """The layer rules of docs/architecture.md: library code never imports a step package, no step
+    imports another, the RL maths and the token maths import only what is below them, and the
+    hybrid engine takes its token maths from below."""
+    graph = import_graph()
+    for mod, targets in graph.items():
+        for t in targets:
+            if step_of(t) is not None:
+                assert step_of(mod) == step_of(t), f"{mod} imports the step package of {t}"
+    assert graph["chatrl.logprobs"] == set()
+    for mod in (m for m in graph if m.startswith("chatrl.rl")):
+        allowed = {m for m in graph if m.startswith("chatrl.rl")} | {"chatrl.logprobs", "chatrl.errors"}
+        assert graph[mod] <= allowed, f"{mod} imports {graph[mod] - allowed} (the RL maths is pure)"
+    assert "chatrl.logprobs" in graph["chatrl.hybrid_engine.decode"]
+    assert "chatrl.reward_model" in graph["chatrl.step3_ppo.engine"]  # the reward model is library code
+
+
+def test_chatrl_imports_sit_at_module_tops():
+    """chatrl's own imports are at the top of each module, where the graph can be read; only heavy
+    third-party libraries (deepspeed, transformers, peft, ...) may be imported inside functions."""
+    inside = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    names = ([sub.module or ""] if isinstance(sub, ast.ImportFrom) else
+                             [a.name for a in sub.names] if isinstance(sub, ast.Import) else [])
+                    if any(n == "chatrl" or n.startswith("chatrl.") for n in names):
+                        inside.append(f"{path.relative_to(PKG.parent)}:{sub.lineno}")
+    assert not inside, inside
+
+
+def test_deepspeed_workarounds_live_in_one_module():
+    """What chatrl changes in DeepSpeed is in chatrl.deepspeed_patches alone."""
+    markers = ("build_shm_op", "reduce_scatter_function", "muon_optimizer", "allreduce_gradients")
+    found = [f"{p.relative_to(PKG.parent)}: {m}" for p in PKG.rglob("*.py") if p.name != "deepspeed_patches.py"
+             for m in markers if m in p.read_text()]
+    assert not found, found

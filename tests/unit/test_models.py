@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from chatrl.config import LoraConfig
 from chatrl.models import (
-    LoraSettings,
     apply_lora,
     causal_lm_logits,
     load_causal_lm,
@@ -42,7 +42,7 @@ def test_position_ids_follow_the_mask():
 def test_lora_module_selection_and_param_groups(tiny_opt):
     tok = load_tokenizer(str(tiny_opt))
     model = apply_lora(load_causal_lm(str(tiny_opt), tok),
-                       LoraSettings(dim=4, module_name="decoder.layers.", only_optimize_lora=True))
+                       LoraConfig(lora_dim=4, lora_module_name="decoder.layers.", only_optimize_lora=True))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # 2 layers x (q, k, v, out, fc1, fc2) x (A, B)
@@ -50,7 +50,7 @@ def test_lora_module_selection_and_param_groups(tiny_opt):
     groups = optimizer_param_groups(model, weight_decay=0.1, lora_learning_rate=3e-4)
     assert len(groups) == 1 and groups[0]["lr"] == 3e-4 and len(groups[0]["params"]) == 24
     with pytest.raises(ValueError, match="--lora_module_name"):
-        apply_lora(load_causal_lm(str(tiny_opt), tok), LoraSettings(dim=4, module_name="no.such.module"))
+        apply_lora(load_causal_lm(str(tiny_opt), tok), LoraConfig(lora_dim=4, lora_module_name="no.such.module"))
 
 
 def _pad(rows, pad_id, side):
@@ -110,13 +110,14 @@ def test_export_keeps_tied_embeddings_and_live_config(tmp_path, lora_dim):
 
     from transformers import AutoModelForCausalLM
 
-    from chatrl.models import LoraSettings, apply_lora, base_model, load_causal_lm
+    from chatrl.config import LoraConfig
+    from chatrl.models import apply_lora, base_model, load_causal_lm
     from chatrl.weights import save_hf_model
 
     tok = load_tokenizer(str(STORIES))
     model = load_causal_lm(str(STORIES), tok)
     n_input = sum(p.numel() for p in model.parameters())
-    model = apply_lora(model, LoraSettings(lora_dim))
+    model = apply_lora(model, LoraConfig(lora_dim=lora_dim))
     save_hf_model(model, tok, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -3,13 +3,14 @@ that name the flags and a fix for inexact divisions and impossible combinations.
 
 import pytest
 
+from chatrl.rl import algorithms
 from chatrl.sizes import BatchSizes, plan_ppo, plan_steps
 
 
 def ppo(**kw):
     base = dict(n_generation_batches=10, n_prompts=80, world_size=2, per_device_generation_batch_size=4,
                 per_device_training_batch_size=2, generation_batches=2, ppo_epochs=2, gradient_accumulation_steps=1,
-                num_train_epochs=3, max_steps=0, num_warmup_steps=0, ptx=False)
+                num_train_epochs=3, max_steps=0, num_warmup_steps=0, ptx=False, algorithm=algorithms.get("ppo"))
     return plan_ppo(**{**base, **kw})
 
 

@@ -1,4 +1,5 @@
-"""Unit tests of the pure PPO maths (chatrl.step3_ppo.core): hand-derived values and references."""
+"""Unit tests of the pure RL maths (chatrl.rl.core, chatrl.logprobs, PPO's policy loss): hand-derived values
+and references."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import pytest
 import torch
 
-from chatrl.step3_ppo import core
+from chatrl.logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+from chatrl.rl import core
+from chatrl.rl.loss import policy_loss, step_normalizers
 
 GARBAGE = 1e6
 
@@ -19,6 +22,20 @@ def prefix_mask(lengths: list[int], width: int) -> torch.Tensor:
 
 def fill_masked(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
     return torch.where(mask.bool(), x, torch.full_like(x, value))
+
+
+def compute_rewards(score, logp, ref_logp, mask, kl_coef=0.1, clip_reward_value=5.0, kl_kind="k1"):
+    """PPO's KL-shaped rewards as the trainer computes them: the masked KL, then the rewards."""
+    kl = core.masked_kl(logp, ref_logp, mask, kl_kind)
+    return core.compute_rewards(score, kl, mask, kl_coef, clip_reward_value), kl
+
+
+def actor_loss(logp, old_logp, advantages, mask, clip_eps=0.2):
+    """PPO's actor loss as the trainer computes it: the policy loss over one micro-batch's own tokens."""
+    norm = step_normalizers(mask, mask.shape[0], 1, "micro-batch-token-mean")[0]
+    return policy_loss(logp, old_logp, advantages, mask, norm, loss_agg_mode="micro-batch-token-mean",
+                       cliprange_low=clip_eps)
+
 
 
 # ----------------------------------------------------------------------------- action mask
@@ -73,21 +90,21 @@ def test_logprobs_and_entropy_match_reference():
     logits = torch.randn(3, 5, 11) * 3
     labels = torch.randint(0, 11, (3, 5))
     ref = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(core.logprobs_from_logits(logits, labels), ref, atol=1e-6)
+    assert torch.allclose(logprobs_from_logits(logits, labels), ref, atol=1e-6)
     probs = torch.softmax(logits, -1)
     ref_h = -(probs * torch.log_softmax(logits, -1)).sum(-1)
-    assert torch.allclose(core.entropy_from_logits(logits), ref_h, atol=1e-5)
+    assert torch.allclose(entropy_from_logits(logits), ref_h, atol=1e-5)
     # Uniform logits: entropy log V, log-prob -log V.
     flat = torch.zeros(1, 2, 11)
-    assert torch.allclose(core.entropy_from_logits(flat), torch.full((1, 2), math.log(11)))
-    assert torch.allclose(core.logprobs_from_logits(flat, labels[:1, :2]), torch.full((1, 2), -math.log(11)))
+    assert torch.allclose(entropy_from_logits(flat), torch.full((1, 2), math.log(11)))
+    assert torch.allclose(logprobs_from_logits(flat, labels[:1, :2]), torch.full((1, 2), -math.log(11)))
 
 
 def test_logprobs_bf16_input_gives_fp32_and_gradients():
     torch.manual_seed(1)
     logits = (torch.randn(2, 4, 7) * 4).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, 7, (2, 4))
-    out = core.logprobs_from_logits(logits, labels)
+    out = logprobs_from_logits(logits, labels)
     assert out.dtype == torch.float32
     ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(out, ref, atol=1e-6)
@@ -97,11 +114,11 @@ def test_logprobs_bf16_input_gives_fp32_and_gradients():
 
 def test_logprobs_errors():
     with pytest.raises(ValueError, match=r"\(B, T, V\)"):
-        core.logprobs_from_logits(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
+        logprobs_from_logits(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="labels must be"):
-        core.logprobs_from_logits(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
+        logprobs_from_logits(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        core.logprobs_from_logits(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
+        logprobs_from_logits(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
 
 
 def test_ptx_loss_matches_cross_entropy_and_ignores_padding():
@@ -188,7 +205,7 @@ def test_kl_is_exactly_zero_when_policy_equals_reference():
     logp = -torch.rand(3, 7) * 5
     for kind in core.KL_KINDS:
         assert torch.equal(core.kl_penalty(logp, logp.clone(), kind), torch.zeros(3, 7)), kind
-    _, kl = core.compute_rewards(torch.zeros(3), logp, logp.clone(), torch.ones(3, 7), kl_kind="k3")
+    _, kl = compute_rewards(torch.zeros(3), logp, logp.clone(), torch.ones(3, 7), kl_kind="k3")
     assert torch.equal(kl, torch.zeros(3, 7))
 
 
@@ -203,7 +220,7 @@ def test_reward_lands_on_last_action_token_hand_example():
     logp = torch.tensor([[-1.0, -2.0, -0.5, 9.0, -9.0], [-1.0, -1.0, -1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -2.0, -1.0, -7.0, 3.0], [-1.0, -1.2, -0.8, -1.0, -2.0]])
     score = torch.tensor([7.0, -2.0])
-    rewards, kl = core.compute_rewards(score, logp, ref, mask, kl_coef=0.1, clip_reward_value=5.0)
+    rewards, kl = compute_rewards(score, logp, ref, mask, kl_coef=0.1, clip_reward_value=5.0)
     expected_kl = torch.tensor([[0.5, 0.0, 0.5, 0.0, 0.0], [0.0, 0.2, -0.2, 0.0, 1.0]])
     expected_rewards = torch.tensor(
         [[-0.05, 0.0, -0.05 + 5.0, 0.0, 0.0], [0.0, -0.02, 0.02, 0.0, -0.1 - 2.0]]
@@ -217,27 +234,27 @@ def test_rewards_row_without_actions_and_no_clip():
     logp = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -1.0, -3.0], [-1.0, -1.0, -1.0]])
     ref = torch.full((3, 3), -1.0)
     mask = prefix_mask([0, 3, 1], 3)
-    rewards, kl = core.compute_rewards(
+    rewards, kl = compute_rewards(
         torch.tensor([3.0, 20.0, -1.0]), logp, ref, mask, clip_reward_value=None
     )
     assert torch.equal(rewards[0], torch.zeros(3)) and torch.equal(kl[0], torch.zeros(3))
     assert torch.allclose(rewards[1], torch.tensor([0.1, 0.0, 20.0 + 0.2]))
     assert torch.allclose(rewards[2], torch.tensor([-1.0, 0.0, 0.0]))
     # Zero generated positions at all must not crash.
-    r, k = core.compute_rewards(torch.ones(2), torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0))
+    r, k = compute_rewards(torch.ones(2), torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0))
     assert r.shape == (2, 0) and k.shape == (2, 0)
 
 
 def test_compute_rewards_errors():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"score must be \(B,\)"):
-        core.compute_rewards(torch.zeros(2, 1), z, z, z)
+        compute_rewards(torch.zeros(2, 1), z, z, z)
     with pytest.raises(ValueError, match="shapes must match"):
-        core.compute_rewards(torch.zeros(2), z, torch.zeros(2, 4), z)
+        compute_rewards(torch.zeros(2), z, torch.zeros(2, 4), z)
     with pytest.raises(ValueError, match="kl_coef"):
-        core.compute_rewards(torch.zeros(2), z, z, z, kl_coef=-0.1)
+        compute_rewards(torch.zeros(2), z, z, z, kl_coef=-0.1)
     with pytest.raises(ValueError, match="clip_reward_value"):
-        core.compute_rewards(torch.zeros(2), z, z, z, clip_reward_value=0.0)
+        compute_rewards(torch.zeros(2), z, z, z, clip_reward_value=0.0)
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -304,7 +321,7 @@ def test_actor_loss_ratio_one():
     mask = prefix_mask([3, 5, 1], 5)
     logp = fill_masked(-torch.rand(3, 5), mask, GARBAGE).requires_grad_()
     adv = fill_masked(torch.randn(3, 5), mask, GARBAGE)
-    loss, stats = core.actor_loss(logp, logp.detach().clone(), adv, mask)
+    loss, stats = actor_loss(logp, logp.detach().clone(), adv, mask)
     assert loss.item() == pytest.approx(-core.masked_mean(adv, mask).item(), abs=1e-7)
     assert stats["clip_frac"].item() == 0.0
     assert stats["approx_kl"].item() == 0.0
@@ -321,7 +338,7 @@ def test_actor_loss_hand_example_where_clipping_binds():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     old = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
     logp = (old + ratios.log()).requires_grad_()
-    loss, stats = core.actor_loss(logp, old, adv, mask, clip_eps=0.2)
+    loss, stats = actor_loss(logp, old, adv, mask, clip_eps=0.2)
     # Token 0: max(-1.5, -1.2) = -1.2 (clipped). Token 1: max(-0.5, -0.8) = -0.5.
     # Token 2: max(0.5, 0.8) = 0.8 (clipped).
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8) / 3, abs=1e-6)
@@ -367,10 +384,10 @@ def test_explained_variance():
 
 
 def _pipeline(logp_old, ref_logp, values_old, score, logp_new, values_new, mask):
-    rewards, kl = core.compute_rewards(score, logp_old, ref_logp, mask, kl_coef=0.1, kl_kind="k3")
+    rewards, kl = compute_rewards(score, logp_old, ref_logp, mask, kl_coef=0.1, kl_kind="k3")
     adv, ret = core.gae(values_old, rewards, mask, gamma=1.0, lam=0.95)
     white = core.masked_whiten(adv, mask)
-    pg, pg_stats = core.actor_loss(logp_new, logp_old, white, mask)
+    pg, pg_stats = actor_loss(logp_new, logp_old, white, mask)
     vf, vf_stats = core.critic_loss(values_new, values_old, ret, mask)
     (pg + vf).backward()
     out = {"rewards": rewards, "kl": kl, "adv": adv, "ret": ret, "white": white, "pg": pg, "vf": vf}
@@ -422,7 +439,7 @@ def test_pad_and_post_eos_positions_change_nothing():
 def test_losses_with_no_valid_token_are_zero_and_finite():
     z = torch.zeros(2, 3, requires_grad=True)
     m = torch.zeros(2, 3)
-    loss, stats = core.actor_loss(z, z.detach(), torch.ones(2, 3), m)
+    loss, stats = actor_loss(z, z.detach(), torch.ones(2, 3), m)
     vf, vstats = core.critic_loss(z, z.detach(), torch.ones(2, 3), m)
     assert loss.item() == 0.0 and vf.item() == 0.0
     assert all(torch.isfinite(v) for v in (*stats.values(), *vstats.values()))
@@ -433,9 +450,9 @@ def test_losses_with_no_valid_token_are_zero_and_finite():
 def test_loss_argument_errors():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="shapes must match"):
-        core.actor_loss(z, z, torch.zeros(2, 4), z)
-    with pytest.raises(ValueError, match="clip_eps"):
-        core.actor_loss(z, z, z, z, clip_eps=0.0)
+        actor_loss(z, z, torch.zeros(2, 4), z)
+    with pytest.raises(ValueError, match="cliprange_low and cliprange_high must be > 0"):
+        actor_loss(z, z, z, z, clip_eps=0.0)
     with pytest.raises(ValueError, match="shapes must match"):
         core.critic_loss(z, z, z, torch.zeros(3, 3))
     with pytest.raises(ValueError, match="clip_value"):
@@ -497,14 +514,14 @@ def test_logprobs_and_entropy_in_one_pass_equal_the_separate_functions():
     torch.manual_seed(3)
     logits = torch.randn(2, 6, 50258) * 3
     labels = torch.randint(0, 50258, (2, 6))
-    logp, entropy = core.logprobs_and_entropy(logits, labels)
-    assert torch.equal(logp, core.logprobs_from_logits(logits, labels))
-    ref = core.entropy_from_logits(logits.double()).float()
-    plain = core.entropy_from_logits(logits)
+    logp, entropy = logprobs_and_entropy(logits, labels)
+    assert torch.equal(logp, logprobs_from_logits(logits, labels))
+    ref = entropy_from_logits(logits.double()).float()
+    plain = entropy_from_logits(logits)
     assert torch.allclose(entropy, plain, atol=2e-4)
     assert (entropy - ref).abs().max() <= (plain - ref).abs().max() + 1e-5
-    flat_logp, flat_h = core.logprobs_and_entropy(torch.zeros(1, 2, 11), labels[:1, :2] % 11)
+    flat_logp, flat_h = logprobs_and_entropy(torch.zeros(1, 2, 11), labels[:1, :2] % 11)
     assert torch.allclose(flat_h, torch.full((1, 2), math.log(11)))
     assert torch.allclose(flat_logp, torch.full((1, 2), -math.log(11)))
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        core.logprobs_and_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
+        logprobs_and_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from chatrl.checkpoint import Cycle, LoopCheckpoints, batches_from
+from chatrl.config import CheckpointConfig
 from chatrl.resilience import NonFiniteError, NonFiniteGuard, skip_nonfinite_steps
 
 
@@ -66,7 +67,7 @@ def test_plain_optimizer_clips_to_max_norm_with_the_guards_norm():
 
 @pytest.mark.parametrize("interval,total,due", [(2, 7, [2, 4, 6]), (3, 6, [3]), (0, 5, [])])
 def test_checkpoint_is_due_every_interval_but_not_after_the_last_step(interval, total, due):
-    ckpt = LoopCheckpoints(types.SimpleNamespace(save_interval=interval, max_nonfinite_steps=10), {})
+    ckpt = LoopCheckpoints(CheckpointConfig(save_interval=interval), "out", {}, {"world_size": 1})
     assert [s for s in range(1, total + 1) if ckpt.due(s, total)] == due
 
 

@@ -165,8 +165,8 @@ def test_no_server_is_a_clear_error():
 def test_text_reward_model_scores_like_the_model(tiny_opt, tmp_path):
     from chatrl.data import encode_answer, encode_prompt
     from chatrl.models import load_tokenizer
+    from chatrl.reward_model import load_reward_model, save_reward_model
     from chatrl.rewards.model import TextRewardModel
-    from chatrl.step2_reward.model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(tiny_opt))
     rm = load_reward_model(str(tiny_opt), tok, require_head=False)

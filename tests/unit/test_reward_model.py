@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chatrl.models import position_ids_from_mask
-from chatrl.step2_reward.model import (
+from chatrl.reward_model import (
     MissingRewardHeadError,
     RewardModel,
     gather_end_scores,
@@ -196,10 +196,10 @@ def test_fresh_head_from_causal_lm_and_head_kept_from_reward_folder(tiny_opt, tm
 
 
 def test_lora_merged_on_save_and_head_trainable(tiny_opt, tmp_path):
-    from chatrl.models import LoraSettings
+    from chatrl.config import LoraConfig
 
     rm, tok = _rm(tiny_opt)
-    lora = with_lora(rm, LoraSettings(dim=4, module_name="layers.", only_optimize_lora=True))
+    lora = with_lora(rm, LoraConfig(lora_dim=4, lora_module_name="layers.", only_optimize_lora=True))
     assert isinstance(lora, RewardModel)
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     assert any(n.endswith("score.weight") for n in trainable)

@@ -32,7 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatrl.models import position_ids_from_mask
+from chatrl.config import LoraConfig
+from chatrl.data.examples import left_cut
+from chatrl.data.formatting import encode_examples
+from chatrl.data.schema import HUMAN, parse_transcript
+from chatrl.models import (
+    apply_lora,
+    base_model,
+    fit_embeddings,
+    lora_enabled,
+    position_ids_from_mask,
+    torch_dtype,
+)
+from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +136,6 @@ class RewardOutput(NamedTuple):
     end_scores: torch.Tensor
 
 
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 class RewardModel(nn.Module):
     """A scalar reward (or value) per token and per sequence from an HF sequence-classification model.
 
@@ -147,7 +154,7 @@ class RewardModel(nn.Module):
     def __init__(self, seq_cls: nn.Module):
         super().__init__()
         self.hf = seq_cls
-        inner = _unwrap_peft(seq_cls)
+        inner = base_model(seq_cls)
         head = getattr(inner, HEAD, None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(inner).__name__} has no one-output linear '{HEAD}' head; "
@@ -155,7 +162,7 @@ class RewardModel(nn.Module):
 
     @property
     def config(self):
-        return _unwrap_peft(self.hf).config
+        return base_model(self.hf).config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RewardOutput:
         """Score every position and read each sequence's score at its last real token.
@@ -168,7 +175,7 @@ class RewardModel(nn.Module):
             :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in the model's dtype;
             ``values`` is 0 at pad positions.
         """
-        inner = _unwrap_peft(self.hf)
+        inner = base_model(self.hf)
         backbone = getattr(inner, inner.base_model_prefix)
         out = backbone(
             input_ids=input_ids,
@@ -289,8 +296,6 @@ def load_reward_model(
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from chatrl.models import fit_embeddings, torch_dtype
-
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config.num_labels = 1
     config.problem_type = "regression"
@@ -322,29 +327,69 @@ def save_reward_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike) -
     ``AutoModelForSequenceClassification.from_pretrained(out_dir, num_labels=1)`` and with
     :func:`load_reward_model` ``(require_head=True)``.
     """
-    from chatrl.weights import save_hf_model
-
     reward = getattr(model, "module", model)  # a DeepSpeed engine holds the module as .module
     if not isinstance(reward, RewardModel):
         raise TypeError(f"expected a RewardModel, got {type(reward).__name__}")
-    inner = _unwrap_peft(reward.hf)
+    inner = base_model(reward.hf)
     if tokenizer is not None:
         inner.config.pad_token_id = tokenizer.pad_token_id
     inner.config.num_labels = 1
     save_hf_model(reward.hf, tokenizer, out_dir)
 
 
-def with_lora(reward: RewardModel, lora) -> RewardModel:
+def with_lora(reward: RewardModel, lora: LoraConfig) -> RewardModel:
     """Wrap ``reward``'s backbone with LoRA adapters (:func:`chatrl.models.apply_lora`); the head keeps training.
 
     DeepSpeed-Chat's ``--only_optimize_lora`` freezes everything but the adapters, the value head
     included, which leaves a reward model with a random head. Here the ``score`` head always stays
     trainable. Returns ``reward`` itself when LoRA is off.
     """
-    from chatrl.models import apply_lora
-
-    if not lora.enabled:
+    if not lora_enabled(lora):
         return reward
     peft_model = apply_lora(reward.hf, lora)
-    getattr(_unwrap_peft(peft_model), HEAD).weight.requires_grad_(True)
+    getattr(base_model(peft_model), HEAD).weight.requires_grad_(True)
     return RewardModel(peft_model)
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring texts
+# --------------------------------------------------------------------------------------------
+
+
+def prompt_messages(prompt: str) -> tuple[dict, ...]:
+    """A prompt text as messages: a Human/Assistant transcript is split into its turns, anything
+    else is one user message."""
+    text = prompt.rstrip()
+    if HUMAN in text and text.endswith("Assistant:"):
+        return parse_transcript(text)
+    return ({"role": "user", "content": prompt.strip()},)
+
+
+def encode_rows(tokenizer, samples, max_seq_len: int) -> list[tuple[list[int], list[int] | None] | None]:
+    """Token ids per sample: ``(prompt + chosen, prompt + rejected or None)``, or ``None`` when an
+    answer alone does not fit ``max_seq_len``. Both sides share one left-cut prompt, as in training."""
+    messages = [s.messages for s in samples]
+    chosen = encode_examples(tokenizer, messages, [s.chosen for s in samples])
+    rejected = [a for _, a in encode_examples(tokenizer, messages, [s.rejected or "" for s in samples])]
+    out = []
+    for s, (p, c), r in zip(samples, chosen, rejected, strict=True):
+        r = r if s.rejected is not None else None
+        cut = left_cut(p, max_seq_len - max(len(c), len(r or [])), tokenizer.bos_token_id)
+        out.append(None if cut is None else (cut + c, None if r is None else cut + r))
+    return out
+
+
+@torch.no_grad()
+def score_sequences(model, seqs: list[list[int]], pad_id: int, batch_size: int, device) -> list[float]:
+    """End scores of token sequences, right-padded in batches of ``batch_size`` (float, one per sequence)."""
+    scores: list[float] = []
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i:i + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, s in enumerate(chunk):
+            ids[j, :len(s)] = torch.tensor(s)
+            mask[j, :len(s)] = 1
+        scores += model(ids.to(device), mask.to(device)).end_scores.float().cpu().tolist()
+    return scores

@@ -1,4 +1,5 @@
-"""Pure PPO / RLHF maths for step 3: masks, log-probs, KL, rewards, GAE, losses, KL control.
+"""Pure RLHF maths shared by every step-3 algorithm: masks, masked statistics, KL, PPO's KL-shaped
+rewards and GAE, the value loss, the PTX loss, KL control (log-probs: :mod:`chatrl.logprobs`).
 
 Every function here takes and returns tensors (or plain numbers): no I/O, no torch.distributed,
 no config objects. The experience maker and the trainer own those concerns.
@@ -23,20 +24,22 @@ from collections.abc import Sequence
 
 import torch
 
+from chatrl.logprobs import IGNORE_INDEX, float_dtype, logprobs_from_logits
+
 __all__ = [
     "action_mask_from_tokens",
     "has_stop_token",
-    "logprobs_from_logits",
-    "entropy_from_logits",
-    "logprobs_and_entropy",
+    "check_same_shape",
+    "check_2d",
+    "valid_mask",
     "masked_sum",
     "masked_mean",
     "masked_var",
     "masked_whiten",
     "kl_penalty",
+    "masked_kl",
     "compute_rewards",
     "gae",
-    "actor_loss",
     "critic_loss",
     "explained_variance",
     "ptx_loss",
@@ -56,31 +59,22 @@ WHITEN_EPS = 1e-8
 # ----------------------------------------------------------------------------- validation helpers
 
 
-def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
+def check_same_shape(where: str, **tensors: torch.Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         listed = ", ".join(f"{name}{shape}" for name, shape in shapes.items())
         raise ValueError(f"{where}: shapes must match, got {listed}")
 
 
-def _check_2d(where: str, **tensors: torch.Tensor) -> None:
+def check_2d(where: str, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.dim() != 2:
             raise ValueError(f"{where}: {name} must be (B, A), got shape {tuple(t.shape)}")
 
 
-def _valid(mask: torch.Tensor) -> torch.Tensor:
+def valid_mask(mask: torch.Tensor) -> torch.Tensor:
     """Boolean view of a 0/1 mask of any dtype."""
     return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """At least float32, float64 if any input is float64."""
-    dtype = torch.float32
-    for t in tensors:
-        if t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 # ----------------------------------------------------------------------------- masks
@@ -121,7 +115,7 @@ def action_mask_from_tokens(
     Source: the "action mask" of PPO for language models, Ziegler et al. 2019 (fine-tuning LMs
     from human preferences), section 2; chatrl DESIGN.md section 3, detail 3.
     """
-    _check_2d("action_mask_from_tokens", answer_ids=answer_ids)
+    check_2d("action_mask_from_tokens", answer_ids=answer_ids)
     if answer_ids.is_floating_point() or answer_ids.dtype == torch.bool:
         raise ValueError(f"action_mask_from_tokens: answer_ids must be integer, got {answer_ids.dtype}")
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -130,130 +124,14 @@ def action_mask_from_tokens(
     is_eos = torch.isin(answer_ids, torch.tensor(eos_ids, dtype=answer_ids.dtype, device=answer_ids.device))
     real = torch.ones_like(is_eos)
     if answer_attention_mask is not None:
-        _check_same_shape(
+        check_same_shape(
             "action_mask_from_tokens", answer_ids=answer_ids, answer_attention_mask=answer_attention_mask
         )
-        real = _valid(answer_attention_mask)
+        real = valid_mask(answer_attention_mask)
         is_eos = is_eos & real
     # Number of EOS tokens strictly before position j; positions after the first EOS see >= 1.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return ((eos_before == 0) & real).float()
-
-
-# ----------------------------------------------------------------------------- log-probs, entropy
-
-
-def _check_logits_labels(where: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
-    if logits.dim() != 3:
-        raise ValueError(f"{where}: logits must be (B, T, V), got shape {tuple(logits.shape)}")
-    if tuple(labels.shape) != tuple(logits.shape[:2]):
-        raise ValueError(
-            f"{where}: labels must be (B, T) = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}"
-        )
-    if labels.is_floating_point() or labels.dtype == torch.bool:
-        raise ValueError(f"{where}: labels must be integer ids, got {labels.dtype}")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[-1]):
-        raise ValueError(
-            f"{where}: labels must lie in [0, {logits.shape[-1]}), got range "
-            f"[{int(labels.min())}, {int(labels.max())}]"
-        )
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label under the softmax of its logits, in float32.
-
-    ``out[b, t] = logits[b, t, labels[b, t]] - logsumexp(logits[b, t, :])``. No shift is applied:
-    ``logits[:, t]`` must already be the prediction for ``labels[:, t]`` (for answer tokens, slice
-    full-sequence logits as ``logits[:, P - 1 : P + A - 1]``; see the module docstring).
-
-    Memory: works one row at a time, so at most one ``(T, V)`` float32 copy exists beside the
-    input (a bf16 ``(B, T, V)`` batch is never up-cast whole). Differentiable.
-
-    Args:
-        logits: ``(B, T, V)`` any floating dtype.
-        labels: ``(B, T)`` integer ids in ``[0, V)``.
-
-    Returns:
-        ``(B, T)`` float32 (float64 if ``logits`` is float64) log-probabilities, in nats, <= 0.
-
-    Raises:
-        ValueError: wrong ranks, shape mismatch, non-integer labels or labels out of ``[0, V)``.
-
-    Source: log pi(a|s) of the policy-gradient objective, Schulman et al. 2017, eq. (7).
-    """
-    _check_logits_labels("logprobs_from_logits", logits, labels)
-    dtype = _float_dtype(logits)
-    rows = []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        row = row_logits.to(dtype)
-        picked = row.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
-        rows.append(picked - torch.logsumexp(row, dim=-1))
-    if not rows:
-        return logits.new_zeros(labels.shape, dtype=dtype)
-    return torch.stack(rows)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at every position, in nats, float32.
-
-    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` per position. Row-at-a-time like
-    :func:`logprobs_from_logits`. Mask the result with the action mask before averaging.
-
-    Args:
-        logits: ``(B, T, V)`` any floating dtype.
-
-    Returns:
-        ``(B, T)`` entropies in ``[0, log V]``.
-
-    Raises:
-        ValueError: ``logits`` not 3-D.
-
-    Source: the entropy bonus term S of Schulman et al. 2017, eq. (9) (logged, not optimised here).
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"entropy_from_logits: logits must be (B, T, V), got shape {tuple(logits.shape)}")
-    dtype = _float_dtype(logits)
-    rows = []
-    for row_logits in logits:
-        row = row_logits.to(dtype)
-        probs = torch.softmax(row, dim=-1)
-        rows.append(torch.logsumexp(row, dim=-1) - (probs * row).sum(-1))
-    if not rows:
-        return logits.new_zeros(logits.shape[:2], dtype=dtype)
-    return torch.stack(rows)
-
-
-def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass per row, sharing ``logsumexp``.
-
-    The log-probabilities are computed by the same operations as :func:`logprobs_from_logits` (equal
-    to it bit for bit); the entropy ``H = lse - sum_v p_v z_v`` reuses ``lse`` and takes
-    ``p = exp(z - lse)`` in place, so one ``(T, V)`` float32 temporary exists beside the input
-    instead of the three of the separate functions. For the experience pass, where the entropy
-    is only logged.
-
-    Args:
-        logits: ``(B, T, V)`` any floating dtype. labels: ``(B, T)`` integer ids in ``[0, V)``.
-
-    Returns:
-        ``(logp, entropy)``, both ``(B, T)`` float32 (float64 for float64 logits), in nats.
-
-    Raises:
-        ValueError: as :func:`logprobs_from_logits`.
-    """
-    _check_logits_labels("logprobs_and_entropy", logits, labels)
-    dtype = _float_dtype(logits)
-    logp, entropy = [], []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        row = row_logits.to(dtype)
-        lse = torch.logsumexp(row, dim=-1)
-        logp.append(row.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1) - lse)
-        probs = (row - lse.unsqueeze(-1)).exp_()
-        entropy.append(lse - torch.linalg.vecdot(probs, row))
-    if not logp:
-        empty = logits.new_zeros(labels.shape, dtype=dtype)
-        return empty, empty.clone()
-    return torch.stack(logp), torch.stack(entropy)
 
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -273,8 +151,8 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     Raises:
         ValueError: shapes differ.
     """
-    _check_same_shape("masked_sum", x=x, mask=mask)
-    kept = torch.where(_valid(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    check_same_shape("masked_sum", x=x, mask=mask)
+    kept = torch.where(valid_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
@@ -294,7 +172,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
         ValueError: shapes differ.
     """
     total = masked_sum(x, mask, dim)
-    count = _valid(mask).sum() if dim is None else _valid(mask).sum(dim=dim)
+    count = valid_mask(mask).sum() if dim is None else valid_mask(mask).sum(dim=dim)
     return total / count.clamp(min=1).to(total.dtype)
 
 
@@ -316,7 +194,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     if unbiased:
-        n = _valid(mask).sum().to(var.dtype)
+        n = valid_mask(mask).sum().to(var.dtype)
         var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)
     return var
 
@@ -345,7 +223,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     Source: advantage normalisation, one of the PPO implementation details of Engstrom et al.
     2020 / Huang et al. 2022 ("The 37 implementation details of PPO", detail 7).
     """
-    valid = _valid(mask)
+    valid = valid_mask(mask)
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=True)
     out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
@@ -382,7 +260,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
 
     Source: J. Schulman, "Approximating KL divergence" (2020 blog post), estimators k1, k2, k3.
     """
-    _check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
+    check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
     diff = logp - ref_logp
     if kind == "k1":
         return diff
@@ -396,70 +274,88 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
     raise ValueError(f"kl_penalty: unknown kind {kind!r}; expected one of {KL_KINDS}")
 
 
+def masked_kl(logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """The per-token KL estimate :func:`kl_penalty` on action tokens, 0 elsewhere, detached.
+
+    Masked positions are selected out before estimating, so garbage there can never overflow
+    (``k3``'s exponential).
+
+    Args:
+        logp: ``(B, A)`` policy log-probs of the generated tokens at experience time.
+        ref_logp: ``(B, A)`` reference log-probs of the same tokens.
+        action_mask: ``(B, A)``, non-zero on actions.
+        kind: one of :data:`KL_KINDS`.
+
+    Returns:
+        ``(B, A)``, float32 or wider, in nats (log its masked per-row sum as "kl").
+
+    Raises:
+        ValueError: shape mismatch or an unknown ``kind``.
+    """
+    check_2d("masked_kl", logp=logp)
+    check_same_shape("masked_kl", logp=logp, ref_logp=ref_logp, action_mask=action_mask)
+    dtype = float_dtype(logp, ref_logp)
+    with torch.no_grad():
+        valid = valid_mask(action_mask)
+        zero = torch.zeros((), dtype=dtype, device=logp.device)
+        lp = torch.where(valid, logp.to(dtype), zero)
+        ref = torch.where(valid, ref_logp.to(dtype), zero)
+        return torch.where(valid, kl_penalty(lp, ref, kind), zero)
+
+
 def compute_rewards(
     score: torch.Tensor,
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
+    kl: torch.Tensor,
     action_mask: torch.Tensor,
     kl_coef: float = 0.1,
     clip_reward_value: float | None = 5.0,
-    kl_kind: str = "k1",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Per-token rewards: a KL penalty on every action plus the clipped score on the last action.
 
-    ``rewards[b, t] = -kl_coef * KL[b, t]`` on action tokens, 0 elsewhere, and
+    ``rewards[b, t] = -kl_coef * kl[b, t]`` on action tokens, 0 elsewhere, and
     ``clip(score[b], -c, c)`` is added at the LAST action token of row ``b`` (the largest ``t``
     with ``action_mask[b, t] != 0``), never at a later position. A row with no action token gets
     no reward at all (all zeros).
 
     Args:
-        score: ``(B,)`` reward-model score of each full sequence (prompt + answer).
-        logp: ``(B, A)`` policy log-probs of the generated tokens, recorded at experience time.
-        ref_logp: ``(B, A)`` reference-model log-probs of the same tokens.
+        score: ``(B,)`` reward of each full sequence (prompt + answer).
+        kl: ``(B, A)`` per-token KL estimate, 0 at masked positions (:func:`masked_kl`).
         action_mask: ``(B, A)``, 1 on actions (generated tokens through the first EOS).
-        kl_coef: beta >= 0 (DeepSpeed-Chat default 0.1); take it from a KL controller's ``.value``.
+        kl_coef: beta >= 0 (DeepSpeed-Chat default 0.1); take it from a KL controller's ``.value``
+            (0 when the KL is a loss term instead).
         clip_reward_value: c > 0 (default 5.0); ``None`` or ``inf`` disables the clip.
-        kl_kind: estimator passed to :func:`kl_penalty` (``"k1"`` default, ``"k3"`` option).
 
     Returns:
-        ``(rewards, kl)``, both ``(B, A)``, float32 or wider, detached, 0 at masked positions.
-        ``kl`` is the unscaled per-token estimate (log its masked per-row sum as "kl").
+        ``(B, A)`` rewards, float32 or wider, detached, 0 at masked positions.
 
     Raises:
-        ValueError: shape mismatch, negative ``kl_coef``, non-positive ``clip_reward_value``,
-            unknown ``kl_kind``.
+        ValueError: shape mismatch, negative ``kl_coef``, non-positive ``clip_reward_value``.
 
     Source: Ziegler et al. 2019, eq. (2) (R = r - beta * KL), Ouyang et al. 2022, eq. (2)
     (per-token KL against the SFT reference); score clipping as in DeepSpeed-Chat.
     """
-    _check_2d("compute_rewards", logp=logp)
-    _check_same_shape("compute_rewards", logp=logp, ref_logp=ref_logp, action_mask=action_mask)
-    if tuple(score.shape) != (logp.shape[0],):
-        raise ValueError(
-            f"compute_rewards: score must be (B,) = ({logp.shape[0]},), got {tuple(score.shape)}"
-        )
+    check_2d("compute_rewards", kl=kl)
+    check_same_shape("compute_rewards", kl=kl, action_mask=action_mask)
+    if tuple(score.shape) != (kl.shape[0],):
+        raise ValueError(f"compute_rewards: score must be (B,) = ({kl.shape[0]},), got {tuple(score.shape)}")
     if kl_coef < 0:
         raise ValueError(f"compute_rewards: kl_coef must be >= 0, got {kl_coef}")
     if clip_reward_value is not None and not clip_reward_value > 0:
         raise ValueError(f"compute_rewards: clip_reward_value must be > 0 or None, got {clip_reward_value}")
-    dtype = _float_dtype(logp, ref_logp, score)
+    dtype = float_dtype(kl, score)
     with torch.no_grad():
-        valid = _valid(action_mask)
-        zero = torch.zeros((), dtype=dtype, device=logp.device)
-        # Select before estimating so garbage at masked positions can never overflow (k3 exp).
-        lp = torch.where(valid, logp.to(dtype), zero)
-        ref = torch.where(valid, ref_logp.to(dtype), zero)
-        kl = torch.where(valid, kl_penalty(lp, ref, kl_kind), zero)
-        rewards = -kl_coef * kl
+        valid = valid_mask(action_mask)
+        zero = torch.zeros((), dtype=dtype, device=kl.device)
+        rewards = -kl_coef * torch.where(valid, kl.to(dtype), zero)
         s = score.to(dtype)
         if clip_reward_value is not None and math.isfinite(clip_reward_value):
             s = s.clamp(-clip_reward_value, clip_reward_value)
-        positions = torch.arange(logp.shape[1], device=logp.device)
-        last = torch.where(valid, positions, -1).amax(dim=1) if logp.shape[1] else None
+        positions = torch.arange(kl.shape[1], device=kl.device)
+        last = torch.where(valid, positions, -1).amax(dim=1) if kl.shape[1] else None
         if last is not None:
             at_last = (positions.unsqueeze(0) == last.unsqueeze(1)) & valid
             rewards = rewards + torch.where(at_last, s.unsqueeze(1), zero)
-    return rewards, kl
+    return rewards
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -497,15 +393,15 @@ def gae(
 
     Source: Schulman et al. 2016 (High-dimensional continuous control using GAE), eq. (16).
     """
-    _check_2d("gae", values=values)
-    _check_same_shape("gae", values=values, rewards=rewards, action_mask=action_mask)
+    check_2d("gae", values=values)
+    check_same_shape("gae", values=values, rewards=rewards, action_mask=action_mask)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gae: gamma must be in [0, 1], got {gamma}")
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"gae: lam must be in [0, 1], got {lam}")
-    dtype = _float_dtype(values, rewards)
+    dtype = float_dtype(values, rewards)
     with torch.no_grad():
-        valid = _valid(action_mask)
+        valid = valid_mask(action_mask)
         zero = torch.zeros((), dtype=dtype, device=values.device)
         v = torch.where(valid, values.to(dtype), zero)
         r = torch.where(valid, rewards.to(dtype), zero)
@@ -528,62 +424,6 @@ def gae(
 
 
 # ----------------------------------------------------------------------------- losses
-
-
-def actor_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    clip_eps: float = 0.2,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip policy loss, a masked mean over all action tokens of the batch.
-
-    ``ratio = exp(logp - old_logp)``;
-    ``loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))``;
-    ``loss = masked_mean(loss_t, action_mask)`` (each valid token weighs the same).
-
-    Args:
-        logp: ``(B, A)`` log-probs of the taken tokens under the current policy (with grad).
-        old_logp: ``(B, A)`` the same, recorded when the experience was made (no grad).
-        advantages: ``(B, A)`` (usually whitened) advantages; treated as constants.
-        action_mask: ``(B, A)``, non-zero on actions. Masked positions of every input are ignored.
-        clip_eps: epsilon > 0 of the clip (default 0.2).
-
-    Returns:
-        ``(loss, stats)``: ``loss`` is a 0-dim tensor to minimise (0 when no token is valid).
-        ``stats`` holds detached 0-dim tensors, masked means over action tokens:
-        ``clip_frac`` (fraction of tokens where the clipped term is the max, i.e. clipping removes
-        the gradient), ``approx_kl`` (k3 estimate of KL(old || new), nats/token),
-        ``ratio_mean`` (mean probability ratio new / old).
-
-    Raises:
-        ValueError: shape mismatch or ``clip_eps <= 0``.
-
-    Source: Schulman et al. 2017 (Proximal Policy Optimization), eq. (7); approx_kl from
-    Schulman, "Approximating KL divergence" (k3).
-    """
-    _check_2d("actor_loss", logp=logp)
-    _check_same_shape(
-        "actor_loss", logp=logp, old_logp=old_logp, advantages=advantages, action_mask=action_mask
-    )
-    if not clip_eps > 0:
-        raise ValueError(f"actor_loss: clip_eps must be > 0, got {clip_eps}")
-    valid = _valid(action_mask)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(valid, logp - old_logp.detach(), zero)
-    adv = torch.where(valid, advantages.detach(), torch.zeros_like(advantages))
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    loss = masked_mean(torch.maximum(unclipped, clipped), valid)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((clipped > unclipped).to(ratio.dtype), valid),
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, valid),
-            "ratio_mean": masked_mean(ratio, valid),
-        }
-    return loss, {k: v.detach() for k, v in stats.items()}
 
 
 def critic_loss(
@@ -618,13 +458,13 @@ def critic_loss(
     Huang et al. 2022 ("The 37 implementation details of PPO", detail 9); squared-error value loss
     of Schulman et al. 2017, eq. (9).
     """
-    _check_2d("critic_loss", values=values)
-    _check_same_shape(
+    check_2d("critic_loss", values=values)
+    check_same_shape(
         "critic_loss", values=values, old_values=old_values, returns=returns, action_mask=action_mask
     )
     if clip_value is not None and not clip_value > 0:
         raise ValueError(f"critic_loss: clip_value must be > 0 or None, got {clip_value}")
-    valid = _valid(action_mask)
+    valid = valid_mask(action_mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(valid, values, zero)
     old = torch.where(valid, old_values.detach(), torch.zeros_like(old_values))
@@ -658,10 +498,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     Raises:
         ValueError: shape mismatch.
     """
-    _check_same_shape("explained_variance", values=values, returns=returns, mask=mask)
+    check_same_shape("explained_variance", values=values, returns=returns, mask=mask)
     with torch.no_grad():
-        dtype = _float_dtype(values, returns)
-        valid = _valid(mask)
+        dtype = float_dtype(values, returns)
+        valid = valid_mask(mask)
         zero = torch.zeros((), dtype=dtype, device=values.device)
         v = torch.where(valid, values.to(dtype), zero)
         ret = torch.where(valid, returns.to(dtype), zero)
@@ -671,7 +511,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
         return torch.where(var_r > 0, 1.0 - var_res / torch.where(var_r > 0, var_r, 1.0), nan)
 
 
-def ptx_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def ptx_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Plain language-modelling loss (mean token negative log-likelihood) for PPO-ptx.
 
     No shift is applied: ``logits[:, t]`` predicts ``labels[:, t]`` (pass ``logits[:, :-1]`` and
