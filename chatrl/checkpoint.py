@@ -197,8 +197,8 @@ class LoopCheckpoints:
         ckpt: the program's :class:`chatrl.config.CheckpointConfig`.
         output_dir: the step's ``--output_dir`` (checkpoints go to ``OUTPUT_DIR/checkpoints``).
         engines: name → DeepSpeed engine saved in every checkpoint (models, optimizers, schedulers).
-        layout: the run's batch layout (:func:`batch_layout`), recorded in every checkpoint and
-            checked on resume.
+        layout: the run's batch layout (:meth:`chatrl.sizes.BatchSizes.layout`,
+            :attr:`chatrl.sizes.PPOPlan.layout`), recorded in every checkpoint and checked on resume.
         extra_modules: name → ``torch.nn.Module`` without optimizer saved too (step 3's EMA actor),
             as per-rank safetensors of its (ZeRO-3: local) parameters.
     """
@@ -278,14 +278,6 @@ class LoopCheckpoints:
 
         save_checkpoint(self.engines, self.output_dir, step, {**state, "layout": self.layout},
                         keep=self.cfg.save_total_limit, write_extra=write_extra)
-
-
-def batch_layout(world_size: int, **batch_flags: int) -> dict:
-    """A run's batch layout: ``world_size`` and the flags that decide which samples each rank sees at
-    each step (steps 1-2: ``per_device_train_batch_size``, ``gradient_accumulation_steps``; step 3:
-    ``per_device_generation_batch_size``, ``generation_batches``, ``per_device_training_batch_size``
-    and ``gradient_accumulation_steps``), named by their flags."""
-    return {"world_size": world_size, **batch_flags}
 
 
 def _describe_layout(layout: dict) -> str:

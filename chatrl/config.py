@@ -443,6 +443,21 @@ def read(settings_cls, args: argparse.Namespace):
     return settings_cls(**{name: from_args(use.block, args, use.prefix) for name, use in _uses(settings_cls)})
 
 
+@dataclass
+class TrainingSettings:
+    """The blocks of a program that trains one model on a data set (steps 1 and 2, DPO): each program
+    adds its own blocks and overrides a block's defaults (``optim = uses(OptimConfig, defaults=...)``)."""
+
+    model: ModelConfig = uses(ModelConfig)
+    lora: LoraConfig = uses(LoraConfig)
+    data: DataConfig = uses(DataConfig, exclude=("unsupervised_dataset_name",), defaults={"max_seq_len": 512})
+    batch: BatchConfig = uses(BatchConfig)
+    optim: OptimConfig = uses(OptimConfig)
+    zero: ZeroConfig = uses(ZeroConfig, only=("zero_stage", "offload", "local_rank"))
+    log: LogConfig = uses(LogConfig)
+    ckpt: CheckpointConfig = uses(CheckpointConfig)
+
+
 def from_args(block, args: argparse.Namespace, prefix: str = ""):
     """The typed ``block`` read from parsed flags: ``per_model`` fields from ``PREFIX + name``,
     shared ones from ``name``; fields the program does not have keep their declared default."""

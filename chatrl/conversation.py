@@ -40,6 +40,7 @@ class StopAtMarker:
         self.marker, self.held, self.stopped = marker, "", False
 
     def feed(self, piece: str) -> str:
+        """Add newly generated token ids; returns whether the text now holds the marker."""
         if self.stopped:
             return ""
         text = self.held + piece

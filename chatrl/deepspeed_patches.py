@@ -129,9 +129,11 @@ class _DoneWork:
     """The handle of a collective that has already completed (``wait`` returns at once)."""
 
     def wait(self, *args, **kwargs) -> bool:
+        """Return at once: the collective has completed."""
         return True
 
     def is_completed(self) -> bool:
+        """Always True."""
         return True
 
 

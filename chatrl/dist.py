@@ -53,6 +53,7 @@ class DistInfo:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is global rank 0 (the rank that writes files and logs)."""
         return self.rank == 0
 
 
@@ -90,14 +91,17 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
 
 
 def get_rank() -> int:
+    """This process's global rank (0 without a process group)."""
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def get_world_size() -> int:
+    """The number of ranks (1 without a process group)."""
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def is_main() -> bool:
+    """Whether this process is global rank 0."""
     return get_rank() == 0
 
 
@@ -131,6 +135,7 @@ def place_cpu_threads() -> int:
 
 
 def barrier() -> None:
+    """Wait for every rank (nothing without a process group)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 

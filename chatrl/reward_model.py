@@ -162,6 +162,7 @@ class RewardModel(nn.Module):
 
     @property
     def config(self):
+        """The backbone's HF config."""
         return base_model(self.hf).config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RewardOutput:

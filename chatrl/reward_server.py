@@ -77,6 +77,7 @@ def make_server(reward: WeightedReward, host: str = "127.0.0.1", port: int = 0) 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The reward server's flags."""
     p = argparse.ArgumentParser(description="serve a chatrl reward over HTTP (docs/rewards.md)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--reward_fn", action="append", default=[],
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
 
+    """``python -m chatrl.reward_server``: serve the weighted reward on a local port until interrupted."""
     parser = build_parser()
     args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     if not args.reward_fn and not args.reward_model:

@@ -34,7 +34,14 @@ class BatchSizes:
 
     @property
     def global_batch(self) -> int:
+        """Samples per optimizer step over every rank."""
         return self.per_device_batch * self.gradient_accumulation_steps * self.world_size
+
+    def layout(self) -> dict:
+        """The batch layout of a step-1/2 run, named by its flags: which samples each rank sees at
+        each step (recorded in every checkpoint, checked on resume: :mod:`chatrl.checkpoint`)."""
+        return {"world_size": self.world_size, "per_device_train_batch_size": self.per_device_batch,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class PPOPlan:
     critic_steps: int  # optimizer steps of the critic over the run (0: critic-free)
     actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
     num_warmup_steps: int
+    layout: dict  # which rollouts each rank makes at each step, by flag (recorded in checkpoints)
 
 
 def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
@@ -170,5 +178,8 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     critic_steps = policy_steps if algorithm.needs_critic else 0
     _check_warmup(num_warmup_steps, policy_steps,
                   "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
+    layout = {"world_size": world_size, "gradient_accumulation_steps": gradient_accumulation_steps,
+              "per_device_generation_batch_size": per_device_generation_batch_size,
+              "generation_batches": generation_batches, "per_device_training_batch_size": per_device_training_batch_size}
     return PPOPlan(buffers_per_epoch, total, generation_batches * per_generation * world_size,
-                   micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps)
+                   micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps, layout)

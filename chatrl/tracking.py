@@ -148,6 +148,7 @@ class Tracker:
         return self
 
     def advance(self, n: int = 1) -> None:
+        """Move the progress bar one step."""
         if self._bar is not None:
             self._bar.update(n)
 
@@ -161,6 +162,7 @@ class Tracker:
             print(text, flush=True)
 
     def close(self) -> None:
+        """Close the metrics file, TensorBoard writer and progress bar."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -55,6 +55,7 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the key and value buffers from the first update's shapes, dtype and device."""
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self._k = key_states.new_empty(b, h, self.capacity, d)
@@ -62,6 +63,7 @@ class PreallocatedLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """Write the new keys and values after the cached ones; returns views of everything cached so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -74,6 +76,7 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
+        """Positions cached so far."""
         return self.length
 
 
@@ -129,6 +132,7 @@ class TPGroup:
         self.index = dist.get_rank(group) if group is not None else 0
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` from every rank of the group, in rank order (``[t]`` for a group of one)."""
         if self.size == 1:
             return [t]
         out = [torch.empty_like(t) for _ in range(self.size)]

@@ -162,6 +162,7 @@ class WeightedReward:
 
     @property
     def needs_reward_model(self) -> bool:
+        """Whether one of the parts is a reward model's score (it needs the token ids)."""
         return any(isinstance(src, ModelReward) for _, _, src in self.parts)
 
     def __call__(self, batch: RewardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

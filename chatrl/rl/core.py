@@ -32,6 +32,7 @@ __all__ = [
     "check_same_shape",
     "check_2d",
     "valid_mask",
+    "where_valid",
     "masked_sum",
     "masked_mean",
     "masked_var",
@@ -60,6 +61,7 @@ WHITEN_EPS = 1e-8
 
 
 def check_same_shape(where: str, **tensors: torch.Tensor) -> None:
+    """Raise ValueError, naming ``where`` and each tensor's shape, unless all ``tensors`` share one shape."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         listed = ", ".join(f"{name}{shape}" for name, shape in shapes.items())
@@ -67,9 +69,16 @@ def check_same_shape(where: str, **tensors: torch.Tensor) -> None:
 
 
 def check_2d(where: str, **tensors: torch.Tensor) -> None:
+    """Raise ValueError, naming ``where`` and the tensor, unless every one of ``tensors`` is ``(B, A)``."""
     for name, t in tensors.items():
         if t.dim() != 2:
             raise ValueError(f"{where}: {name} must be (B, A), got shape {tuple(t.shape)}")
+
+
+def where_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``valid`` (a boolean mask of its shape), 0 elsewhere: masked positions are selected
+    out, not multiplied by 0, so inf or NaN there reaches neither the result nor its gradient."""
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def valid_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -297,10 +306,8 @@ def masked_kl(logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Ten
     dtype = float_dtype(logp, ref_logp)
     with torch.no_grad():
         valid = valid_mask(action_mask)
-        zero = torch.zeros((), dtype=dtype, device=logp.device)
-        lp = torch.where(valid, logp.to(dtype), zero)
-        ref = torch.where(valid, ref_logp.to(dtype), zero)
-        return torch.where(valid, kl_penalty(lp, ref, kind), zero)
+        lp, ref = where_valid(logp.to(dtype), valid), where_valid(ref_logp.to(dtype), valid)
+        return where_valid(kl_penalty(lp, ref, kind), valid)
 
 
 def compute_rewards(
@@ -565,6 +572,7 @@ class FixedKLController:
         """No-op (kept for interface parity with :class:`AdaptiveKLController`)."""
 
     def state_dict(self) -> dict:
+        """The controller's state for a checkpoint: ``{kind, value}``."""
         return {"kind": self.kind, "value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
@@ -622,6 +630,7 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
     def state_dict(self) -> dict:
+        """The controller's state for a checkpoint: ``{kind, value, target, horizon}``."""
         return {"kind": self.kind, "value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict) -> None:

@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import set_seed
 
-from chatrl import cli, config, dist
-from chatrl.checkpoint import LoopCheckpoints, batch_layout, batches_from, check_output_dir, write_run_marker
+from chatrl import cli, config, dist, program
+from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
 from chatrl.generation import eos_rate
@@ -31,7 +30,7 @@ from chatrl.models import check_context_window, load_tokenizer
 from chatrl.resilience import set_progress
 from chatrl.sizes import BatchSizes, plan_steps
 from chatrl.step1_sft.loss import sft_nll
-from chatrl.tracking import Tracker, setup_logging
+from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
 from chatrl.weights import save_hf_model
 
@@ -46,23 +45,16 @@ class SFTConfig:
 
 
 @dataclass
-class Step1Settings:
-    """Step 1's blocks (:func:`chatrl.config.uses`)."""
+class Step1Settings(config.TrainingSettings):
+    """Step 1's blocks: the training blocks, step 1's learning rate, the SFT options and the EOS check."""
 
-    model: config.ModelConfig = uses(config.ModelConfig)
-    lora: config.LoraConfig = uses(config.LoraConfig)
-    data: config.DataConfig = uses(config.DataConfig, exclude=("unsupervised_dataset_name",),
-                                   defaults={"max_seq_len": 512})
-    batch: config.BatchConfig = uses(config.BatchConfig)
     optim: config.OptimConfig = uses(config.OptimConfig, defaults={"learning_rate": 1e-3})
-    zero: config.ZeroConfig = uses(config.ZeroConfig, only=("zero_stage", "offload", "local_rank"))
-    log: config.LogConfig = uses(config.LogConfig)
-    ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
     sft: SFTConfig = uses(SFTConfig)
     eos_check: config.EosCheckConfig = uses(config.EosCheckConfig)
 
 
 def build_parser():
+    """Step 1's flags (:class:`Step1Settings`)."""
     return config.program_parser(Step1Settings, "chatrl step 1: supervised fine-tuning (SFT) of the actor",
                                  prog="python -m chatrl.step1_sft")
 
@@ -102,11 +94,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = cli.parse(build_parser(), argv)
     s: Step1Settings = config.read(Step1Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
-    set_progress("step 1 (SFT)")
-    info = dist.init_distributed()
-    setup_logging(info.rank)
-    check_output_dir(s.log.output_dir, s.log.overwrite_output_dir)
-    set_seed(s.optim.seed)
+    info = program.start("step 1 (SFT)", s.log, s.optim.seed)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     data = phase_data(1, s.data, tokenizer, s.optim.seed)
@@ -125,9 +113,7 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
-    layout = batch_layout(info.world_size, per_device_train_batch_size=batch.per_device_batch,
-                          gradient_accumulation_steps=batch.gradient_accumulation_steps)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, layout)
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
     step, resumed, metrics = 0, ckpt.resume(), {}
     if resumed:
         step = resumed["step"]

@@ -36,10 +36,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import set_seed
 
-from chatrl import cli, config, dist
-from chatrl.checkpoint import LoopCheckpoints, batch_layout, batches_from, check_output_dir, write_run_marker
+from chatrl import cli, config, dist, program
+from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
 from chatrl.generation import eos_rate
@@ -49,7 +48,7 @@ from chatrl.sizes import BatchSizes, plan_steps
 from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs, split_pairs
 from chatrl.step2_dpo.loss import DPOConfig, answer_logps, preference_loss, reward_stats
 from chatrl.step2_dpo.reference import build_reference, reference_kind
-from chatrl.tracking import Tracker, setup_logging
+from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
 from chatrl.weights import save_hf_model
 
@@ -68,25 +67,19 @@ class ReferenceConfig:
 
 
 @dataclass
-class DPOSettings:
-    """DPO's blocks (:func:`chatrl.config.uses`)."""
+class DPOSettings(config.TrainingSettings):
+    """DPO's blocks: the training blocks (with the frozen reference's ZeRO flags), DPO's loss and reference, the EOS check."""
 
-    model: config.ModelConfig = uses(config.ModelConfig)
-    lora: config.LoraConfig = uses(config.LoraConfig)
-    data: config.DataConfig = uses(config.DataConfig, exclude=("unsupervised_dataset_name",),
-                                   defaults={"max_seq_len": 512})
-    batch: config.BatchConfig = uses(config.BatchConfig)
     optim: config.OptimConfig = uses(config.OptimConfig, defaults={"learning_rate": 5e-6})
     zero: config.ZeroConfig = uses(config.ZeroConfig, only=("zero_stage", "offload", "offload_reference_model",
                                                             "partition_frozen_models", "local_rank"))
-    log: config.LogConfig = uses(config.LogConfig)
-    ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
     dpo: DPOConfig = uses(DPOConfig, title="DPO")
     reference: ReferenceConfig = uses(ReferenceConfig, title="DPO")
     eos_check: config.EosCheckConfig = uses(config.EosCheckConfig, title="evaluation")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """DPO's flags (:class:`DPOSettings`)."""
     return config.program_parser(DPOSettings, "chatrl step 2 (alternative): direct preference optimisation (DPO, "
                                               "IPO, hinge, SimPO)", prog="python -m chatrl.step2_dpo")
 
@@ -167,11 +160,7 @@ def run(argv: list[str] | None = None) -> dict:
         s: DPOSettings = config.read(DPOSettings, args)
     except ValueError as err:
         parser.error(str(err))
-    set_progress("step 2 (DPO)")
-    info = dist.init_distributed()
-    setup_logging(info.rank)
-    check_output_dir(s.log.output_dir, s.log.overwrite_output_dir)
-    set_seed(s.optim.seed)
+    info = program.start("step 2 (DPO)", s.log, s.optim.seed)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Phase-2 pairs; over-long prompts are cut from the left, identical pairs skipped and counted.
@@ -206,9 +195,7 @@ def run(argv: list[str] | None = None) -> dict:
         reference.release()
         tracker.write(f"reference log-probs of {len(train_pairs)} + {len(eval_pairs)} pairs precomputed in "
                       f"{time.time() - t_ref:.1f} s; the reference model is released")
-    layout = batch_layout(info.world_size, per_device_train_batch_size=batch.per_device_batch,
-                          gradient_accumulation_steps=batch.gradient_accumulation_steps)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, layout)
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
     eos = s.eos_check
     step, resumed = 0, ckpt.resume()
     if resumed:

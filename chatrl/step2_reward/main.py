@@ -35,17 +35,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import set_seed
 
-from chatrl import cli, config, dist
-from chatrl.checkpoint import LoopCheckpoints, batch_layout, batches_from, check_output_dir, write_run_marker
+from chatrl import cli, config, dist, program
+from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
 from chatrl.models import check_context_window, load_tokenizer
 from chatrl.resilience import set_progress
 from chatrl.reward_model import pair_stats, pairwise_loss, save_reward_model
 from chatrl.sizes import BatchSizes, plan_steps
-from chatrl.tracking import Tracker, setup_logging
+from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step2")
@@ -61,22 +60,15 @@ class Step2Config:
 
 
 @dataclass
-class Step2Settings:
-    """Step 2's blocks (:func:`chatrl.config.uses`)."""
+class Step2Settings(config.TrainingSettings):
+    """Step 2's blocks: the training blocks, step 2's learning rate and its DeepSpeed-Chat flags."""
 
-    model: config.ModelConfig = uses(config.ModelConfig)
-    lora: config.LoraConfig = uses(config.LoraConfig)
-    data: config.DataConfig = uses(config.DataConfig, exclude=("unsupervised_dataset_name",),
-                                   defaults={"max_seq_len": 512})
-    batch: config.BatchConfig = uses(config.BatchConfig)
     optim: config.OptimConfig = uses(config.OptimConfig, defaults={"learning_rate": 5e-5})
-    zero: config.ZeroConfig = uses(config.ZeroConfig, only=("zero_stage", "offload", "local_rank"))
-    log: config.LogConfig = uses(config.LogConfig)
-    ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
     step2: Step2Config = uses(Step2Config)
 
 
 def build_parser():
+    """Step 2's flags (:class:`Step2Settings`)."""
     return config.program_parser(Step2Settings, "chatrl step 2: reward model training on preference pairs",
                                  prog="python -m chatrl.step2_reward")
 
@@ -133,11 +125,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = cli.parse(build_parser(), argv)
     s: Step2Settings = config.read(Step2Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
-    set_progress("step 2 (reward model)")
-    info = dist.init_distributed()
-    setup_logging(info.rank)
-    check_output_dir(s.log.output_dir, s.log.overwrite_output_dir)
-    set_seed(s.optim.seed)
+    info = program.start("step 2 (reward model)", s.log, s.optim.seed)
     if s.step2.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
 
@@ -159,9 +147,7 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
-    layout = batch_layout(info.world_size, per_device_train_batch_size=batch.per_device_batch,
-                          gradient_accumulation_steps=batch.gradient_accumulation_steps)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, layout)
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]

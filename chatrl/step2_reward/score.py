@@ -61,6 +61,7 @@ class ScoreConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The scoring tool's flags."""
     p = config.new_parser("score prompt/answer pairs with a chatrl (or HF seq-cls) reward model",
                           prog="python -m chatrl.step2_reward.score")
     config.add_block(p, ScoreConfig)

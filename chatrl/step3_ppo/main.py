@@ -19,15 +19,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import set_seed
 
-from chatrl import cli, config, dist
+from chatrl import cli, config, dist, program
 from chatrl.checkpoint import (
     Cycle,
     LoopCheckpoints,
-    batch_layout,
     batches_from,
-    check_output_dir,
     write_run_marker,
 )
 from chatrl.data import PromptCollator, SFTCollator, phase_data
@@ -41,7 +38,7 @@ from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
 from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
-from chatrl.tracking import Tracker, setup_logging
+from chatrl.tracking import Tracker
 from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step3")
@@ -149,12 +146,8 @@ def build(args, score_fn=None) -> Step3Run:
     check_context_window([s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
                          {"--max_prompt_seq_len + --max_answer_seq_len":
                           rollout.max_prompt_seq_len + rollout.max_answer_seq_len}, s.actor.trust_remote_code)
-    set_progress(f"step 3 ({algorithm.name})")
-    info = dist.init_distributed()
-    setup_logging(info.rank)
-    check_output_dir(s.log.output_dir, s.log.overwrite_output_dir)
     seed = s.actor_optim.seed
-    set_seed(seed)
+    info = program.start(f"step 3 ({algorithm.name})", s.log, seed)
     tokenizer = load_tokenizer(s.actor.model_name_or_path, padding_side="left",
                                trust_remote_code=s.actor.trust_remote_code)
     if reward_path:
@@ -202,11 +195,7 @@ def build(args, score_fn=None) -> Step3Run:
                   f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
                   + (f" (reward model {reward_path})" if reward_path else ""))
     trained = {"actor": engines.actor, **({"critic": engines.critic} if engines.critic is not None else {})}
-    layout = batch_layout(info.world_size, gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
-                          per_device_generation_batch_size=rollout.per_device_generation_batch_size,
-                          generation_batches=rollout.generation_batches,
-                          per_device_training_batch_size=s.ppo.per_device_training_batch_size)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, trained, layout,
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, trained, plan.layout,
                            {"actor_ema": engines.ema.module} if engines.ema is not None else None)
     return Step3Run(s, args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, tracker, ckpt)
 

@@ -10,6 +10,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.conftest import DATA
 
@@ -96,3 +97,41 @@ def test_step3_main_actor_lr_follows_schedule_with_ptx(pipeline, schedule):
     expect = (lambda f: lr * 0.5 * (1 + math.cos(math.pi * f))) if schedule == "cosine" else (lambda f: lr * (1 - f))
     assert actor[0] == pytest.approx(expect(frac_a), rel=1e-6) and critic[0] == pytest.approx(expect(frac_c), rel=1e-6)
     assert math.isfinite(metrics["ptx_loss"]) and (out / "actor" / "config.json").exists()
+
+
+def test_a_toy_algorithm_plugs_in_through_the_documented_path(pipeline):
+    """docs/architecture.md, "An RL algorithm": register an Algorithm with its estimator before step 3's
+    parser is built, and --rl_algorithm takes it; the loop calls the estimator on each buffer and trains
+    with its advantages, with no critic (the algorithm needs none)."""
+    from chatrl.rl import algorithms
+    from chatrl.rl.advantages import Advantages, outcome_per_token
+    from chatrl.step3_ppo.main import main as step3
+
+    calls = []
+
+    def mean_baseline(inputs, settings):  # REINFORCE with the batch mean as baseline
+        adv = outcome_per_token(inputs.scores - inputs.scores.mean(), inputs)
+        calls.append((inputs.scores.clone(), inputs.action_mask.clone(), adv.clone()))
+        return Advantages(adv)
+
+    algorithms.register(algorithms.Algorithm("mean_baseline", mean_baseline, "REINFORCE with a batch-mean baseline"))
+    root, _, _ = pipeline
+    out = root / "step3_toy"
+    try:
+        metrics = step3(["--rl_algorithm", "mean_baseline", "--reward_fn", "regex_format", "--kl_in", "loss",
+                         "--actor_model_name_or_path", str(root / "step1"), "--data_path", PROMPTS,
+                         "--data_output_path", str(root / "cache"), "--max_prompt_seq_len", "32",
+                         "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "4",
+                         "--per_device_training_batch_size", "4", "--max_steps", "2", "--num_warmup_steps", "0",
+                         "--output_dir", str(out), "--disable_progress_bar"])
+    finally:
+        algorithms.ALGORITHMS.pop("mean_baseline")
+    assert len(calls) == 2  # once per experience buffer
+    for scores, mask, adv in calls:
+        expected = (scores - scores.mean())[:, None].expand_as(adv) * (mask > 0)
+        assert torch.equal(adv, expected)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2] and "critic_lr" not in rows[0] and "critic_loss" not in rows[0]
+    assert math.isfinite(metrics["actor_loss"]) and (out / "actor" / "config.json").exists()
+    assert not (out / "critic").exists()
+    assert "mean_baseline" not in algorithms.names()

@@ -86,3 +86,44 @@ def test_ranks_sample_independently_and_reproducibly(tmp_path):
     assert len(rank0) == len(rank1) == 2
     assert sum(a == b for a, b in zip(rank0, rank1, strict=True)) == 0  # was 2 of 2 identical
     assert runs[1] == runs[0]  # the same run again draws the same answers on every rank
+
+
+@pytest.mark.slow
+def test_ppo_with_a_rule_reward_alone_and_summed_with_a_reward_model(tmp_path):
+    """PPO takes the reward interface every algorithm takes: with --reward_fn alone (no reward model)
+    the critic starts from the actor with a fresh value head, trains over 2 ranks and is saved beside
+    the actor; with a reward model and a function the score is their weighted sum and each part is
+    logged."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from chatrl.models import load_tokenizer
+    from chatrl.reward_model import load_reward_model, save_reward_model
+
+    base = ["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", str(STORIES), "--data_path", str(DATA / "prompts"),
+            "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "32", "--max_answer_seq_len", "8",
+            "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4", "--max_steps", "2",
+            "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--num_warmup_steps", "0",
+            "--disable_progress_bar"]
+    rule = tmp_path / "rule"
+    run_ranks([*base, "--reward_fn", "regex_format", "--output_dir", str(rule)], timeout=400)
+    rows = [json.loads(x) for x in (rule / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("reward/regex_format" in r and "reward/model" not in r for r in rows)
+    assert all(r["reward/score_mean"] == r["reward/regex_format"] for r in rows)  # the only part, weight 1
+    assert all(math.isfinite(r["critic_loss"]) for r in rows)
+    assert rows[0]["ratio_mean"] == 1.0 and rows[0]["kl"] == 0.0
+    assert AutoModelForCausalLM.from_pretrained(rule / "actor") is not None
+    critic = AutoModelForSequenceClassification.from_pretrained(rule / "critic", num_labels=1)
+    assert critic.score.weight.shape == (1, 64) and torch.isfinite(critic.score.weight).all()
+
+    tok = load_tokenizer(str(STORIES))
+    save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "rm")
+    both = tmp_path / "both"
+    run_ranks([*base, "--critic_model_name_or_path", str(tmp_path / "rm"), "--reward_fn", "0.5*regex_format",
+               "--output_dir", str(both)], timeout=400)
+    rows = [json.loads(x) for x in (both / "logs" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert {"reward/model", "reward/regex_format", "critic_loss"} <= set(r)
+        # the score is the weighted sum of the parts (means over the same rollouts)
+        assert r["reward/score_mean"] == pytest.approx(r["reward/model"] + 0.5 * r["reward/regex_format"], abs=1e-5)
+    assert (both / "critic" / "config.json").exists()

@@ -384,16 +384,15 @@ def test_resume_layout_is_recorded_and_another_is_refused(tmp_path):
     run is tests/stages/test_resume.py::test_resume_with_another_world_size_is_refused_naming_both_layouts)."""
     import json
 
-    from chatrl.checkpoint import batch_layout, check_resume_layout
+    from chatrl.checkpoint import check_resume_layout
     from chatrl.errors import UsageError
 
-    saved = batch_layout(2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    saved = BatchSizes(2, 1, 2).layout()
     assert saved == {"world_size": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
     (tmp_path / "complete.json").write_text(json.dumps({"step": 2, "layout": saved}))
-    check_resume_layout(tmp_path, batch_layout(2, per_device_train_batch_size=2, gradient_accumulation_steps=1))
+    check_resume_layout(tmp_path, BatchSizes(2, 1, 2).layout())
     for world, accum in ((1, 1), (2, 2)):
         with pytest.raises(UsageError, match="it was written with world_size 2, per_device_train_batch_size 2"):
-            check_resume_layout(tmp_path, batch_layout(world, per_device_train_batch_size=2,
-                                                       gradient_accumulation_steps=accum))
+            check_resume_layout(tmp_path, BatchSizes(2, accum, world).layout())
     (tmp_path / "complete.json").write_text(json.dumps({"step": 2}))  # an older checkpoint: accepted
-    check_resume_layout(tmp_path, batch_layout(1, per_device_train_batch_size=2, gradient_accumulation_steps=1))
+    check_resume_layout(tmp_path, BatchSizes(2, 1, 1).layout())
