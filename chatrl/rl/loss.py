@@ -187,7 +187,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     Args:
         logp: ``(B, A)`` current log-probs (with grad).
         old_logp: ``(B, A)`` training-forward log-probs at experience time (constants).
-        advantages: ``(B, A)`` from :func:`critic_free_advantages` (constants).
+        advantages: ``(B, A)`` from the algorithm's estimator (:mod:`chatrl.rl.advantages`; constants).
         action_mask: ``(B, A)``; masked positions of every input are ignored.
         normalizer: > 0, see above.
         loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
