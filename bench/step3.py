@@ -11,7 +11,7 @@ value head.
     .venv/bin/python bench/step3.py
     .venv/bin/python bench/step3.py --hidden 512 --layers 8 --answer 128 --steps 6
 
-``--side_by_side`` measures issue 15's set-up instead: a tiny random OPT (hidden 64, 2 layers, 4
+``--side_by_side`` measures the small PPO set-up instead: a tiny random OPT (hidden 64, 2 layers, 4
 heads, FFN 256, GPT-2 BPE plus a separate ``<pad>``) as actor and reference, an
 ``OPTForSequenceClassification`` of the same backbone as critic and reward model, the first 1,000
 helpful-base test prompts left-truncated to 128 tokens, 64-token answers at temperature 0.7, 4
@@ -89,7 +89,7 @@ def run_mode(hybrid: bool, actor: str, critic: str, work: Path, a, algorithm: st
     return {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in KEYS}
 
 
-# ------------------------------------------------------------------ --side_by_side (issue 15's set-up)
+# ------------------------------------------------------------------ --side_by_side (the small PPO set-up)
 ASSISTANT = "\n\nAssistant:"
 
 
@@ -273,7 +273,9 @@ def main() -> None:
     p.add_argument("--answer", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--side_by_side", action="store_true", help="issue 15's set-up at each ZeRO stage (and TRL)")
+    p.add_argument("--side_by_side", action="store_true",
+                   help="the small PPO set-up (tiny OPT h64, 128 + 64 tokens, 4 prompts x 2 ranks, 20 steps) at "
+                        "each ZeRO stage (and TRL)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work_dir", default=None,
