@@ -1,5 +1,5 @@
 """Benchmark: gloo's all-reduce, reduce-scatter and all-gather of the same bytes, and DeepSpeed's
-reduce-scatter as chatrl installs it (:func:`chatrl.dist.gloo_reduce_scatter_by_all_reduce`).
+reduce-scatter as chatrl installs it (:func:`chatrl.deepspeed_patches.gloo_reduce_scatter_by_all_reduce`).
 
 Run it plainly and it launches itself over 2 CPU ranks (torchrun, gloo)::
 
