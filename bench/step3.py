@@ -35,13 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from chatrl.rl import algorithms
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -172,23 +173,6 @@ def _chatrl_env() -> dict:
             "TOKENIZERS_PARALLELISM": "false", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
-def warm_deepspeed_ops() -> None:
-    """Build (or load) DeepSpeed's CPU shared-memory op in the launches' environment before any timed run.
-
-    Every DeepSpeed process on CPU loads ``deepspeed_shm_comm`` through torch's extension JIT; its
-    cache is keyed by the build command, which depends on the environment (PATH), so the first
-    launch after a process with another environment (or interpreter path) rebuilds it: 17 s on this
-    machine, measured in the first launch of a side-by-side run. The warm-up runs the interpreter the
-    ``deepspeed`` launcher starts the ranks with. A user pays that once per environment; here it would
-    land on whichever mode happens to run first.
-    """
-    env = _chatrl_env()
-    launcher = shutil.which("deepspeed", path=env["PATH"])
-    python = Path(launcher).read_text().splitlines()[0].removeprefix("#!").strip()  # what the ranks run
-    subprocess.run([python, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                   env=env, cwd=REPO, check=True, capture_output=True)
-
-
 def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
     env = _chatrl_env()
     cmd = ["deepspeed", "--num_gpus", "2", "--module", "chatrl.step3_ppo",
@@ -244,7 +228,6 @@ def side_by_side(a) -> dict:
         work = Path(a.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         setup = make_side_by_side_setup(work, a)
-        warm_deepspeed_ops()
         for rep in range(a.repeats):
             for m in modes:  # interleaved: every mode sees the same load, repeat after repeat
                 out = work / f"{m}_{rep}"
@@ -282,7 +265,7 @@ def main() -> None:
                    help="keep the side-by-side models, outputs and launch logs here (default: a temporary folder)")
     p.add_argument("--trl_python", default=None, help="python of the TRL 1.12 venv (adds TRL's PPOTrainer)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
-    p.add_argument("--algorithms", nargs="+", default=None, choices=["ppo", "grpo", "rloo", "reinforce_pp"],
+    p.add_argument("--algorithms", nargs="+", default=None, choices=algorithms.names(),
                    help="compare these step-3 algorithms (hybrid engine on) instead of hybrid on/off")
     p.add_argument("--samples", type=int, default=4, help="answers per prompt of the critic-free algorithms")
     a = p.parse_args()

@@ -314,7 +314,7 @@ class CheckpointConfig:
                                        "would", unit="steps")
     max_nonfinite_steps: int = setting(10, "steps with non-finite loss or gradients are skipped; stop (with a "
                                            "checkpoint) after this many in a row (0: never stop)", unit="steps")
-    debug_nonfinite_steps: list = setting([], "testing: make the loss NaN at these steps (tests the non-finite "
+    debug_nonfinite_steps: list = setting([], "testing: make the loss (step 3: the reward) NaN at these steps (tests the non-finite "
                                               "guard)", nargs="*", type=int)
 
 

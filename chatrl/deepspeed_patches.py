@@ -109,7 +109,7 @@ def stub_deepspeed_muon() -> None:
     optimizer's set-up), and ZeRO-2 imports ``...original_muon`` at every gradient reduction,
     calling its ``muon_update`` only for Muon parameter groups. Importing either runs
     ``torch.compile`` on Muon's kernels: 2-5 s per rank on this machine after an optimizer exists
-    (loaded; ``docs/performance.md``), for an optimizer chatrl never builds (:func:`make_optimizer`
+    (loaded; ``docs/performance.md``), for an optimizer chatrl never builds (:func:`chatrl.dist.make_optimizer`
     builds AdamW, and chatrl's DeepSpeed configs name no optimizer). In the placeholders every name
     is :class:`NoDeepSpeedMuon`, so each check answers "no Muon", as with the real modules, and a
     Muon code path that did run would fail loudly. Modules already imported (a user's own code)
@@ -120,7 +120,7 @@ def stub_deepspeed_muon() -> None:
 
     for name in DEEPSPEED_MUON:
         if name not in sys.modules:
-            stub = types.ModuleType(name, "chatrl's placeholder for a DeepSpeed Muon module (chatrl.dist)")
+            stub = types.ModuleType(name, "chatrl's placeholder for a DeepSpeed Muon module (chatrl.deepspeed_patches)")
             stub.__getattr__ = _muon_placeholder
             sys.modules[name] = stub
 

@@ -2,7 +2,7 @@
 
 Everything here is a thin layer over ``transformers`` and ``peft``: the model families, generation
 and tokenization are theirs. What chatrl adds is the tokenizer set-up that keeps RLHF correct
-(a pad token distinct from EOS; see DESIGN.md section 3) and DeepSpeed-Chat's LoRA flag semantics.
+(a pad token distinct from EOS; ``docs/tokenization.md``) and DeepSpeed-Chat's LoRA flag semantics.
 """
 
 from __future__ import annotations

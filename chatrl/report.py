@@ -33,7 +33,7 @@ from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics
 
 REPORT_FILE = "report.html"
 STEP_FOLDERS = {"step1_actor": (1, "step 1: supervised fine-tuning"), "step2_reward": (2, "step 2: reward model"),
-                "step3_rlhf": (3, "step 3: RLHF with PPO")}
+                "step3_rlhf": (3, "step 3: RLHF")}
 # Counters and sizes that are not curves worth a chart.
 NOT_CHARTED = {"samples", "elapsed_min", "train/tokens", "eval/tokens", "eval/pairs"}
 # Metrics drawn together on one chart (step 3); any other metric gets its own chart, with train/X and eval/X together.
@@ -171,7 +171,7 @@ def headlines(run: StepRun) -> list[tuple[str, str]]:
     first_last("eval/margin", "eval margin (chosen − rejected score)", "{:+.4f}")
     score = _series(rows, "reward/score_mean")[1]
     if score:
-        out.append(("reward-model score (mean of the first 3 steps → of the last 10)",
+        out.append(("score: the weighted reward (mean of the first 3 steps → of the last 10)",
                     f"{_mean(score[:3]):.3f} → {_mean(score[-10:]):.3f}"))
     for key, label, fmt in (("kl", "KL to the reference, nats per answer (last 10 steps)", "{:.3f}"),
                             ("eos_rate", "answers ending with EOS (last 10 steps)", "{:.1%}"),

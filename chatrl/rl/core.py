@@ -122,7 +122,7 @@ def action_mask_from_tokens(
         ValueError: ``answer_ids`` not 2-D or not integer, attention-mask shape mismatch, or no EOS id.
 
     Source: the "action mask" of PPO for language models, Ziegler et al. 2019 (fine-tuning LMs
-    from human preferences), section 2; chatrl DESIGN.md section 3, detail 3.
+    from human preferences), section 2; ``docs/ppo.md``, detail 3.
     """
     check_2d("action_mask_from_tokens", answer_ids=answer_ids)
     if answer_ids.is_floating_point() or answer_ids.dtype == torch.bool:
@@ -524,7 +524,7 @@ def ptx_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGN
     No shift is applied: ``logits[:, t]`` predicts ``labels[:, t]`` (pass ``logits[:, :-1]`` and
     ``input_ids[:, 1:]`` for next-token prediction). Labels equal to ``ignore_index`` (padding,
     from the attention mask) are ignored; the mean is over the remaining tokens of the batch, 0
-    if there are none. The trainer adds ``ptx_coef * ptx_loss`` to the actor loss.
+    if there are none. The trainer takes a separate actor micro-step on ``unsup_coef * ptx_loss``.
 
     Args:
         logits: ``(B, T, V)``.

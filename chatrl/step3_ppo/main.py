@@ -141,8 +141,8 @@ def build(args, score_fn=None) -> Step3Run:
     s: Step3Settings = config.read(Step3Settings, args)
     algorithm, rollout = s.algorithm, s.rollout
     sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)  # bad flags fail before loading
+    critic_source = s.critic_source()  # before the reward: PPO without any reward names the critic first
     reward_path = s.reward_model_path() if score_fn is None else None
-    critic_source = s.critic_source()
     check_context_window([s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
                          {"--max_prompt_seq_len + --max_answer_seq_len":
                           rollout.max_prompt_seq_len + rollout.max_answer_seq_len}, s.actor.trust_remote_code)

@@ -103,7 +103,7 @@ def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path):
 
 @pytest.mark.slow
 def test_resume_with_another_world_size_is_refused_naming_both_layouts(tmp_path):
-    """issue 16 item 7: 2 ranks checkpointed at step 2, resumed on 1 rank, silently retrained seen samples."""
+    """2 ranks checkpointed at step 2, resumed on 1 rank, silently retrained seen samples."""
     flags = ["-m", "chatrl.step1_sft", "--model_name_or_path", str(STORIES), "--data_path",
              str(DATA / "hh-rlhf" / "helpful-base[0:64]"), "--data_split", "1,0,0", "--max_seq_len", "128",
              "--per_device_train_batch_size", "2", "--max_steps", "4", "--eval_fraction", "0", "--save_interval", "2",

@@ -50,7 +50,7 @@ def test_step1_stories260k_lora_only_moves_lora_and_saves_merged(tmp_path):
     assert res["moved_base"] == 0.0
     assert res["moved_lora"] > 1e-3
     assert not res["saved_has_lora_keys"]
-    # issue 16 item 6: the export keeps the tie (one shared matrix, no extra 33,280 parameters) at ZeRO-3,
+    # the export keeps the tie (one shared matrix, no extra 33,280 parameters) at ZeRO-3,
     # and exporting did not untie the live model's config
     assert res["input_tied"] and res["saved_tied"] and res["live_tied"]
     assert res["max_logit_diff"] < 1e-4

@@ -64,7 +64,7 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
 
 @pytest.mark.slow
 def test_ranks_sample_independently_and_reproducibly(tmp_path):
-    """issue 16 item 5: two ranks given the same prompt drew the same answer token for token."""
+    """Two ranks given the same prompt drew the same answer token for token."""
     from chatrl.models import load_tokenizer
     from chatrl.reward_model import load_reward_model, save_reward_model
 
@@ -119,7 +119,8 @@ def test_ppo_with_a_rule_reward_alone_and_summed_with_a_reward_model(tmp_path):
     tok = load_tokenizer(str(STORIES))
     save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "rm")
     both = tmp_path / "both"
-    run_ranks([*base, "--critic_model_name_or_path", str(tmp_path / "rm"), "--reward_fn", "0.5*regex_format",
+    run_ranks([*base, "--critic_model_name_or_path", str(tmp_path / "rm"), "--reward_model_name_or_path",
+               str(tmp_path / "rm"), "--reward_fn", "0.5*regex_format",
                "--output_dir", str(both)], timeout=400)
     rows = [json.loads(x) for x in (both / "logs" / "metrics.jsonl").read_text().splitlines()]
     for r in rows:

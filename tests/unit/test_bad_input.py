@@ -294,7 +294,7 @@ def test_unusable_source_is_named_among_good_ones(gpt2, tmp_path):
 
 # 20 ----------------------------------------------------------------------------------------------
 def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, capsys):
-    """issue 16 item 8: every length flag of every step, chat and the scoring tool, before any loading."""
+    """Every length flag of every step, chat and the scoring tool, before any loading."""
     import importlib.util
 
     from chatrl.step1_sft.main import main as step1
@@ -332,7 +332,7 @@ def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, 
 
 # 21 ----------------------------------------------------------------------------------------------
 def test_empty_eval_split_is_cached_like_the_uncached_build_and_training_proceeds(stories_tok, tmp_path, caplog):
-    """issue 16 item 9: both held-out rows too long → an empty eval split; the cache used to keep an
+    """Both held-out rows too long → an empty eval split; the cache used to keep an
     entry that failed every rerun with IndexError."""
     import logging
 
@@ -362,7 +362,7 @@ def test_empty_eval_split_is_cached_like_the_uncached_build_and_training_proceed
 
 # 22 ----------------------------------------------------------------------------------------------
 def test_sampling_flags_temperature_0_is_greedy_and_bad_values_fail_before_loading(tmp_path):
-    """issue 16 item 4: step 3 used to fail after loading all four models."""
+    """Step 3 used to fail after loading all four models."""
     from chatrl.errors import UsageError
     from chatrl.models import sampling_settings
     from chatrl.step3_ppo.main import main as step3
@@ -380,7 +380,7 @@ def test_sampling_flags_temperature_0_is_greedy_and_bad_values_fail_before_loadi
 
 # 23 ----------------------------------------------------------------------------------------------
 def test_resume_layout_is_recorded_and_another_is_refused(tmp_path):
-    """issue 16 item 7: the check LoopCheckpoints.resume runs before loading anything (the 2-rank → 1-rank
+    """The check LoopCheckpoints.resume runs before loading anything (the 2-rank → 1-rank
     run is tests/stages/test_resume.py::test_resume_with_another_world_size_is_refused_naming_both_layouts)."""
     import json
 

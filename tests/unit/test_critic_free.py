@@ -308,6 +308,6 @@ def test_same_gradient_for_one_micro_batch_accumulation_and_two_ranks(mode):
     assert (naive - one).abs().max() > 1e-3
 
 
-def test_deepspeed_loss_scale_undoes_accumulation_and_rank_average():
+def test_loss_scale_undoes_accumulation_and_rank_average_for_global_modes_only():
     assert loss_mod.loss_scale("token-mean", 4, 2) == 8.0
     assert loss_mod.loss_scale("micro-batch-token-mean", 4, 2) == 1.0

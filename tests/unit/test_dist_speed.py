@@ -1,4 +1,4 @@
-"""Parity of the fast paths in :mod:`chatrl.dist` against the plain ones (issue 15): the fused AdamW
+"""Parity of the fast paths in :mod:`chatrl.dist` against the plain ones : the fused AdamW
 against torch's for-loop AdamW, and the CPU thread placement."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from chatrl import dist
+from chatrl import deepspeed_patches, dist
 
 
 def test_fused_adamw_takes_the_plain_adamw_steps():
@@ -54,7 +54,7 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[2])
 import pytest
 import torch
-from chatrl import dist
+from chatrl import deepspeed_patches, dist
 from chatrl.sizes import BatchSizes
 dist.init_distributed()
 stage = int(sys.argv[1])
@@ -66,9 +66,9 @@ before = [p.detach().clone() for p in engine.module.parameters()] if stage < 3 e
 loss = engine(torch.randn(2, 8)).pow(2).sum()
 engine.backward(loss)
 engine.step()
-stubs = [sys.modules.get(m) for m in dist._DEEPSPEED_MUON]
+stubs = [sys.modules.get(m) for m in deepspeed_patches.DEEPSPEED_MUON]
 print("MODULES", int("torch._inductor.compile_fx" in sys.modules),
-      int(all(m is not None and m.MuonWithAuxAdam is dist._NoDeepSpeedMuon for m in stubs)), float(loss))
+      int(all(m is not None and m.MuonWithAuxAdam is deepspeed_patches.NoDeepSpeedMuon for m in stubs)), float(loss))
 """
 
 
@@ -92,11 +92,11 @@ def test_deepspeed_engines_train_without_importing_muon():
 
 
 def test_a_muon_optimizer_is_refused_clearly():
-    dist._stub_deepspeed_muon()
+    deepspeed_patches.stub_deepspeed_muon()
     import sys
 
-    optimizer, kernels = (sys.modules[m] for m in dist._DEEPSPEED_MUON)
-    if optimizer.MuonWithAuxAdam is dist._NoDeepSpeedMuon:  # not when this process imported DeepSpeed's Muon
+    optimizer, kernels = (sys.modules[m] for m in deepspeed_patches.DEEPSPEED_MUON)
+    if optimizer.MuonWithAuxAdam is deepspeed_patches.NoDeepSpeedMuon:  # not when this process imported DeepSpeed's Muon
         with pytest.raises(RuntimeError, match="Muon optimizer is not supported"):
             optimizer.MuonWithAuxAdam([])
         with pytest.raises(RuntimeError, match="Muon optimizer is not supported"):
@@ -326,7 +326,7 @@ def test_an_old_extension_build_lock_is_reported(tmp_path, monkeypatch):
     for f in (old, fresh):
         f.parent.mkdir(parents=True)
         f.touch()
-    stamp = time.time() - dist.STALE_BUILD_LOCK_S - 5
+    stamp = time.time() - deepspeed_patches.STALE_BUILD_LOCK_S - 5
     os.utime(old, (stamp, stamp))
-    assert dist.stale_build_locks() == [old]
-    assert dist.stale_build_locks(max_age_s=0.0) == sorted([old, fresh])
+    assert deepspeed_patches.stale_build_locks() == [old]
+    assert deepspeed_patches.stale_build_locks(max_age_s=0.0) == sorted([old, fresh])

@@ -1,4 +1,4 @@
-"""train.py's planning, chat.py's history trimming, and the shared CLI's flag spellings."""
+"""Train.py's planning, chat.py's history trimming, and the shared CLI's flag spellings."""
 
 import importlib.util
 import sys
@@ -133,7 +133,7 @@ def _chat_answer(monkeypatch, capsys, *flags) -> str:
 
 
 def test_chat_temperature_0_is_greedy_decoding(monkeypatch, capsys):
-    """issue 16 item 4: --temperature 0 crashed in transformers; it means greedy decoding."""
+    """--temperature 0 crashed in transformers; it means greedy decoding."""
     greedy = _chat_answer(monkeypatch, capsys, "--greedy")
     assert _chat_answer(monkeypatch, capsys, "--temperature", "0", "--seed", "1") == greedy
     assert _chat_answer(monkeypatch, capsys, "--temperature", "0", "--seed", "2") == greedy

@@ -105,7 +105,7 @@ def test_token_nll_hand_values():
 
 @pytest.mark.parametrize("lora_dim", [0, 4])
 def test_export_keeps_tied_embeddings_and_live_config(tmp_path, lora_dim):
-    """issue 16 item 6: a LoRA export of stories260K (tied) has one shared matrix, like the input."""
+    """A LoRA export of stories260K (tied) has one shared matrix, like the input."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -127,7 +127,7 @@ def test_export_keeps_tied_embeddings_and_live_config(tmp_path, lora_dim):
 
 
 def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
-    """issue 16 item 3: the exported generation config lists <|im_end|> among its EOS ids."""
+    """The exported generation config lists <|im_end|> among its EOS ids."""
     from transformers import GenerationConfig
 
     from chatrl.models import load_causal_lm
@@ -144,7 +144,7 @@ def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
 
 
 def test_sampling_settings_temperature_0_is_greedy_and_bad_values_name_the_flag():
-    """issue 16 item 4: temperature 0 means greedy decoding everywhere, bad values fail at start-up."""
+    """Temperature 0 means greedy decoding everywhere, bad values fail at start-up."""
     from chatrl.models import sampling_settings
 
     assert sampling_settings(0.0, 50, 0.9) == {"do_sample": False}

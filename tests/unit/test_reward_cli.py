@@ -106,7 +106,7 @@ def test_score_cli_refuses_a_causal_lm_folder(tiny_opt):
 
 
 def test_score_cli_indexes_rows_by_file_position_and_counts_skips(reward_dir, tmp_path):
-    """issue 16 item 10: the second row is "index": 1 and the empty chosen row is counted as empty_field."""
+    """The second row is "index": 1 and the empty chosen row is counted as empty_field."""
     from chatrl.step2_reward.score import main
 
     f = tmp_path / "two.jsonl"
@@ -121,7 +121,7 @@ def test_score_cli_indexes_rows_by_file_position_and_counts_skips(reward_dir, tm
 
 
 def test_unknown_schema_prints_the_message_alone(reward_dir, tmp_path):
-    """issue 16 item 10: a usage error is one line, no traceback (scoring tool and step 2)."""
+    """A usage error is one line, no traceback (scoring tool and step 2)."""
     from tests.launch import run_ranks
 
     f = tmp_path / "qa.jsonl"
