@@ -215,9 +215,9 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         batch: the group's left-padded prompts (:func:`gather_prompts`).
         s: generation settings. generator: RNG for sampling (global RNG when ``None``).
         keep_logits: also return the raw per-step logits of this rank's rows.
-        keep_logprobs: also return the sampler's log-prob of every sampled token,
-            log-softmax of the raw fp32 logits (before temperature, top-k, top-p: the
-            distribution the training forward scores) by the training forward's formula
+        keep_logprobs: also return the sampler's log-prob of every sampled token under the
+            distribution it was drawn from: the log-softmax of the processed fp32 scores (after
+            temperature, top-k and top-p; greedy: the raw logits), by the training forward's formula
             (:func:`chatrl.logprobs.logprobs_from_logits`), for ``rollout/logp_diff``.
 
     Returns:
@@ -244,10 +244,11 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
         logits = _own_logits(project_head(model.lm_head, hidden), batch, group)
         if keep_logits:
             kept.append(logits)
-        tokens = pick_tokens(process_logits(logits, s, step), s, generator)
+        scores = process_logits(logits, s, step)
+        tokens = pick_tokens(scores, s, generator)
         tokens = torch.where(finished[own], torch.full_like(tokens, s.pad_token_id), tokens)
         if logprobs is not None:
-            logprobs[:, step] = logprobs_from_logits(logits[:, None], tokens[:, None]).squeeze(1)
+            logprobs[:, step] = logprobs_from_logits(scores[:, None], tokens[:, None]).squeeze(1)
         done = finished[own] | (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(finished[own]))
         out[:, step] = tokens
         all_tokens, finished = _share(tokens, done, batch, group)

@@ -291,9 +291,9 @@ class HybridEngine:
             pad_token_id: filler after EOS; ``None`` takes the model's.
             generator: RNG for sampling on the engine path (the global RNG when ``None``).
             output_logits: also return the raw logits of every decoding step.
-            output_logprobs: also return the sampler's log-prob of each sampled token, from the raw
-                fp32 logits (before temperature/top-k/top-p), ``(B, max_new_tokens)``, 0 after
-                generation stopped (step 3's ``rollout/logp_diff``); computed by the training
+            output_logprobs: also return the sampler's log-prob of each sampled token under the
+                distribution it was drawn from (the fp32 scores after temperature, top-k and top-p),
+                ``(B, max_new_tokens)``, 0 after generation stopped (step 3's ``rollout/logp_diff``); computed by the training
                 forward's formula (:func:`chatrl.logprobs.logprobs_from_logits`), so that
                 the gap measures the forward passes only, not two ways of normalising.
 
@@ -315,10 +315,10 @@ class HybridEngine:
         attention_mask = attention_mask.to(self.device)
         if not self.enabled:
             with self._placement():
-                out = self._plain_generate(input_ids, attention_mask, s, output_logits or output_logprobs)
+                out = self._plain_generate(input_ids, attention_mask, s, output_logits, output_logprobs)
             if not output_logprobs:
                 return out
-            sequences, logits = out
+            sequences, logits = out  # with output_logprobs: the processed scores
             steps = logits.shape[1]
             new = sequences[:, input_ids.shape[1]:input_ids.shape[1] + steps]
             logprobs = torch.zeros(new.shape[0], s.max_new_tokens, dtype=torch.float32, device=new.device)
@@ -338,8 +338,11 @@ class HybridEngine:
             return sequences, logprobs[0]
         return (sequences, logits) if output_logits else sequences
 
-    def _plain_generate(self, input_ids, attention_mask, s: GenerationSettings, output_logits: bool):
-        """HF ``generate`` on the training module (ZeRO-3: synced decoding so no rank hangs)."""
+    def _plain_generate(self, input_ids, attention_mask, s: GenerationSettings, output_logits: bool,
+                        output_scores: bool = False):
+        """HF ``generate`` on the training module (ZeRO-3: synced decoding so no rank hangs); with
+        ``output_logits`` also the raw logits of every step, with ``output_scores`` the processed scores
+        (after temperature, top-k, top-p: the distribution each token was drawn from)."""
         t0 = time.perf_counter()
         was_training = self.module.training
         self.module.eval()
@@ -348,19 +351,21 @@ class HybridEngine:
                       synced_gpus=self.zero_stage == 3 and self.world_size > 1)
         if s.do_sample:
             kwargs.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        if output_logits:
-            kwargs.update(output_logits=True, return_dict_in_generate=True)
+        if output_logits or output_scores:
+            kwargs.update(output_logits=output_logits, output_scores=output_scores, return_dict_in_generate=True)
         try:
             with torch.no_grad():
                 out = self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         finally:
             self.module.train(was_training)
-        sequences = out.sequences if output_logits else out
+        sequences = out.sequences if output_logits or output_scores else out
         total = input_ids.shape[1] + s.max_new_tokens
         if sequences.shape[1] < total:
             fill = sequences.new_full((sequences.shape[0], total - sequences.shape[1]), s.pad_token_id)
             sequences = torch.cat([sequences, fill], dim=1)
         self.timings.update(gather=0.0, shard=0.0, release=0.0, generate=time.perf_counter() - t0)
+        if output_scores:
+            return sequences, torch.stack([x.float() for x in out.scores], dim=1)
         if output_logits:
             return sequences, torch.stack([x.float() for x in out.logits], dim=1)
         return sequences

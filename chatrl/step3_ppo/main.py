@@ -34,6 +34,7 @@ from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, WeightedReward, build_reward
 from chatrl.rl import core
+from chatrl.rl.stats import PooledStats
 from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
 from chatrl.step3_ppo.settings import Step3Settings
@@ -93,13 +94,6 @@ def make_reward(s: Step3Settings, reward_engine, score_fn=None) -> WeightedRewar
     r = s.reward
     return build_reward(r.reward_fn, r.reward_url, model, http_timeout=r.reward_http_timeout,
                         http_retries=r.reward_http_retries, http_batch_size=r.reward_http_batch_size)
-
-
-def reduce_stats(stats: dict) -> dict:
-    """Mean of each statistic over ranks (every rank holds the same number of rollouts)."""
-    keys = sorted(stats)
-    vals = dist.all_reduce_mean(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
-    return dict(zip(keys, vals.tolist(), strict=False))
 
 
 @dataclass
@@ -183,7 +177,8 @@ def build(args, score_fn=None) -> Step3Run:
                       gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
                       world_size=info.world_size, answer_len=rollout.max_answer_seq_len,
                       all_reduce_sum=dist.all_reduce_sum if several else None,
-                      all_reduce_max=dist.all_reduce_max if several else None, rank=info.rank, ema=engines.ema)
+                      all_reduce_max=dist.all_reduce_max if several else None, rank=info.rank, ema=engines.ema,
+                      temperature=s.sampling.temperature)
     tracker = Tracker.for_run(s.log, info.is_main)
     critic_desc = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{s.critic_zero.zero_stage}"
                    if engines.critic is not None else "no critic")
@@ -238,22 +233,25 @@ def train(run: Step3Run) -> dict:
                                                 batch["attention_mask"].to(info.device), batch["metadata"], step + 1))
             t1 = time.time()
             # 2. experience: log-probs, values, KL, the algorithm's advantages
-            exp, experience_stats = trainer.make_experience(rollouts)
+            stats = PooledStats()  # every logged statistic, pooled over the global batch
+            exp, agreement = trainer.make_experience(rollouts, stats)
             t2 = time.time()
             # 3. learning: policy (and critic, PTX) micro-steps in the training layout
-            learned = trainer.learn(exp, ptx_iter)
-            stats = {**summarize(exp, kl_ctl.value, trainer.stops), **experience_stats, **learned,
-                     "time/generate": t1 - t0, "time/experience": t2 - t1, "time/train": time.time() - t2,
-                     "memory/rss_train_mb": dist.resident_mb(), **{f"time/{k}": v for k, v in hybrid.timings.items()}}
+            agreement = trainer.learn(exp, stats, ptx_iter) or agreement
+            summarize(exp, kl_ctl.value, trainer.stops, stats)
+            rss = dist.resident_mb()
+            for k, v in {"time/generate": t1 - t0, "time/experience": t2 - t1, "time/train": time.time() - t2,
+                         "memory/rss_train_mb": rss, **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
+                stats.add_weighted(k, v, 1.0)  # per rank, averaged over ranks
             step += 1
             set_progress(optimizer_step=step)
             samples += plan.rollouts_per_buffer
             # 4. log, KL control, checkpoint
-            agreement = {k: stats.pop(k) for k in ("rollout/logp_diff_max", "rollout/logp_diff_mean") if k in stats}
-            metrics = {**reduce_stats(stats), **agreement}  # agreement figures are already global
+            metrics = {**stats.finish(dist.all_reduce_sum if info.world_size > 1 else None),
+                       **{k: float(v) for k, v in agreement.items()}}  # agreement figures are already global
             if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing
                 kl_ctl.update(metrics["kl"], plan.rollouts_per_buffer)
-            metrics["memory/rss_train_max_mb"] = dist.all_reduce_max(torch.tensor(stats["memory/rss_train_mb"])).item()
+            metrics["memory/rss_train_max_mb"] = dist.all_reduce_max(torch.tensor(rss)).item()
             metrics.update(skipped_steps=ckpt.skipped, samples=samples, actor_lr=engines.actor.get_lr()[0],
                            **({"critic_lr": engines.critic.get_lr()[0]} if engines.critic is not None else {}),
                            samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),

@@ -42,6 +42,7 @@ from chatrl.rewards import WeightedReward, reward_batch_from_tokens, score_on_al
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
 from chatrl.rl.loss import logp_diff, loss_scale, policy_loss, step_normalizers, truncated_is_weights
+from chatrl.rl.stats import PooledStats
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -156,6 +157,11 @@ class Trainer:
         answer_len: ``--max_answer_seq_len``, the constant of ``seq-mean-token-sum-norm``.
         all_reduce_sum, all_reduce_max: collectives over the ranks (``None``: one rank).
         rank: this rank (reward failures name it).
+        temperature: ``--temperature`` of the sampler (0: greedy). The actor's and the reference's
+            log-probs, the ratio, the KL and the entropy are those of the distribution the tokens
+            were sampled from, ``softmax(logits / T)`` (as TRL, veRL and OpenRLHF compute them);
+            greedy decoding is scored at ``T = 1``. Top-k and top-p truncate what the sampler draws
+            from but not what is trained (``docs/critic_free.md``, "Temperature").
         ema: optional EMA copy of the actor, averaged after every actor optimizer step (ZeRO-3
             partitions are averaged in place, no gather).
 
@@ -166,7 +172,7 @@ class Trainer:
     def __init__(self, actor, reference, critic, reward: WeightedReward, generate: Generate, kl_controller,
                  settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
                  answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
-                 rank: int = 0, ema=None):
+                 rank: int = 0, ema=None, temperature: float = 1.0):
         self.algorithm = settings.algorithm
         if (critic is not None) != self.algorithm.needs_critic:
             raise ValueError(f"--rl_algorithm {self.algorithm.name} {'needs' if self.algorithm.needs_critic else 'has no'}"
@@ -179,6 +185,7 @@ class Trainer:
         self.stops, self.pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
         self.gas, self.world, self.answer_len = gradient_accumulation_steps, world_size, answer_len
         self.all_reduce_sum, self.all_reduce_max, self.rank = all_reduce_sum, all_reduce_max, rank
+        self.temperature = temperature if temperature > 0 else 1.0
         for m in (actor, critic, reference, ema):
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
@@ -207,7 +214,7 @@ class Trainer:
         seq, sampler_logp = self.generate(ids, mask)
         P = ids.shape[1]
         seq, full_mask, action_mask = self.mask_answers(ids, mask, seq)
-        sampler_logp = (sampler_logp[:, :action_mask.shape[1]].float() * action_mask).to(seq.device)
+        sampler_logp = core.where_valid(sampler_logp[:, :action_mask.shape[1]].float().to(seq.device), action_mask > 0)
         batch = reward_batch_from_tokens(self.tokenizer, seq, full_mask, action_mask, P, meta, step)
         got: dict = {}
 
@@ -223,6 +230,13 @@ class Trainer:
         return Experience(seq, full_mask, P, action_mask, sampler_logp, scores,
                           {k: v.detach().float().to(seq.device) for k, v in got["parts"].items()}, meta)
 
+    def policy_logits(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                      prompt_len: int) -> torch.Tensor:
+        """The answer logits ``(B, A, V)`` of the actor or the reference, divided by the sampling
+        temperature: the distribution the answers were sampled from."""
+        logits = answer_logits(model, sequences, attention_mask, prompt_len)
+        return logits / self.temperature if self.temperature != 1.0 else logits
+
     # ---------------------------------------------------------------------------------- experience
     def first_pass_is_experience(self, rollouts: int) -> bool:
         """Whether the actor's and critic's experience passes are left to the first training pass: the
@@ -232,11 +246,12 @@ class Trainer:
         return rollouts <= self.mb and not self.s.separate_experience_pass
 
     @torch.no_grad()
-    def make_experience(self, rollouts: list[Experience]) -> tuple[Experience, dict]:
+    def make_experience(self, rollouts: list[Experience], stats: PooledStats) -> tuple[Experience, dict]:
         """One experience buffer from the generation batches' rollouts (module docstring, step 2).
 
-        Returns the buffer and its statistics (empty when the first training pass makes the
-        experience: :meth:`learn` reports them then). A collective: every rank calls it.
+        Returns the buffer and its agreement figures (already global; empty when the first training
+        pass makes the experience: :meth:`learn` returns them then); adds its pooled statistics to
+        ``stats``. A collective: every rank calls it.
         """
         exp = concat_rollouts(rollouts, self.pad)
         deferred = self.first_pass_is_experience(len(exp))
@@ -245,22 +260,23 @@ class Trainer:
         for i in range(0, len(exp), self.mb):
             s, m = exp.sequences[i:i + self.mb], exp.attention_mask[i:i + self.mb]
             if not deferred:
-                logp, entropy = logprobs_and_entropy(answer_logits(self.actor, s, m, P), s[:, P:])
+                logp, entropy = logprobs_and_entropy(self.policy_logits(self.actor, s, m, P), s[:, P:])
                 parts["logp"].append(logp)
                 parts["entropy"].append(entropy)
                 if self.critic is not None:
                     parts["values"].append(answer_values(self.critic, s, m, P))
-            parts["ref_logp"].append(logprobs_from_logits(answer_logits(self.reference, s, m, P), s[:, P:]))
+            parts["ref_logp"].append(logprobs_from_logits(self.policy_logits(self.reference, s, m, P), s[:, P:]))
         exp.ref_logp, exp.logp, exp.entropy, exp.values = (torch.cat(parts[k]) if parts[k] else None
                                                            for k in ("ref_logp", "logp", "entropy", "values"))
-        return exp, ({} if deferred else self.finish_experience(exp))
+        return exp, ({} if deferred else self.finish_experience(exp, stats))
 
     @torch.no_grad()
-    def finish_experience(self, exp: Experience) -> dict:
+    def finish_experience(self, exp: Experience, stats: PooledStats) -> dict:
         """From the experience's log-probs (and values): the per-token KL (``--kl_estimator``), the
         algorithm's advantages on the rank's whole buffer, the importance weights and the agreement
-        statistics; fills ``exp`` and returns ``rollout/logp_diff_*`` and ``advantage_abs_mean``. A
-        collective (REINFORCE++'s whitening, the agreement figures): every rank calls it."""
+        statistics; fills ``exp``, adds ``advantage_abs_mean`` to ``stats`` and returns
+        ``rollout/logp_diff_*`` (global). A collective (REINFORCE++'s whitening, the agreement
+        figures): every rank calls it."""
         s = self.s
         exp.kl = core.masked_kl(exp.logp, exp.ref_logp, exp.action_mask, s.kl_estimator)
         kl_coef = self.kl_ctl.value if s.kl_in == "reward" else 0.0
@@ -269,46 +285,51 @@ class Trainer:
         exp.advantages, exp.returns, exp.rewards = out.advantages, out.returns, out.rewards
         if s.rollout_is_cap > 0:
             exp.is_weights = truncated_is_weights(exp.logp, exp.sampler_logp, exp.action_mask, s.rollout_is_cap)
-        stats = logp_diff(exp.sampler_logp, exp.logp, exp.action_mask, self.all_reduce_sum, self.all_reduce_max)
-        stats["advantage_abs_mean"] = core.masked_mean(exp.advantages.abs(), exp.action_mask)
-        return stats
+        stats.add_mean("advantage_abs_mean", exp.advantages.abs(), exp.action_mask)
+        return logp_diff(exp.sampler_logp, exp.logp, exp.action_mask, self.all_reduce_sum, self.all_reduce_max)
 
     # ------------------------------------------------------------------------------------ learning
-    def learn(self, exp: Experience, ptx_batches=None) -> dict:
+    def learn(self, exp: Experience, stats: PooledStats, ptx_batches=None) -> dict:
         """``--ppo_epochs`` passes of micro-batches over the buffer (module docstring, step 3).
 
-        Returns the mean of every statistic over the micro-steps; ``actor_loss`` is the mean loss of
-        an optimizer step (all ranks' micro-batches, :func:`chatrl.rl.loss.loss_scale`), and the
-        experience's statistics when the first training pass made them.
+        Adds to ``stats``: the losses (``actor_loss`` is the mean loss of an optimizer step, all ranks'
+        micro-batches, :func:`chatrl.rl.loss.loss_scale`; ``critic_loss``, ``ptx_loss``: the mean over
+        micro-steps) and the token statistics of the policy and value losses (clip fractions,
+        approximate KL, ratio, ...) pooled over every token of every micro-batch and rank. Returns the
+        agreement figures when the first training pass made the experience, else ``{}``.
         """
         norms = step_normalizers(exp.action_mask, self.mb, self.gas, self.mode, constant=float(self.answer_len),
                                  all_reduce_sum=self.all_reduce_sum)
         scale = loss_scale(self.mode, self.gas, self.world)
         ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
-        sums: dict[str, float] = {}
-        experience_stats: dict = {}
+        losses: dict[str, float] = {}
+        agreement: dict = {}
         n = 0
         for _ in range(self.s.ppo_epochs):
             for j, i in enumerate(range(0, len(exp), self.mb)):
                 logp = values = None
                 if exp.logp is None:  # the experience's actor (and critic) passes are this first step's forwards
-                    logp, values, experience_stats = self.first_pass(exp)
+                    logp, values, agreement = self.first_pass(exp, stats)
                     part = exp
                 else:
                     part = exp.rows(slice(i, i + self.mb))
-                stats = self.train_actor(part, norms[j], scale, logp)
+                tokens = float(core.valid_mask(part.action_mask).sum())
+                step_stats = self.train_actor(part, norms[j], scale, logp)
                 if self.critic is not None:
-                    stats.update(self.train_critic(part, values))
+                    step_stats.update(self.train_critic(part, values))
                 if ptx_iter is not None:
-                    stats.update(self.train_ptx(next(ptx_iter)))
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    step_stats.update(self.train_ptx(next(ptx_iter)))
+                for k, v in step_stats.items():
+                    if k in ("actor_loss", "critic_loss", "ptx_loss"):
+                        losses[k] = losses.get(k, 0.0) + float(v)
+                    else:  # a mean over the micro-batch's action tokens
+                        stats.add_weighted(k, float(v), tokens)
                 n += 1
-        result = {k: v / max(n, 1) for k, v in sums.items()}
-        result["actor_loss"] = sums.get("actor_loss", 0.0) * scale / max(n, 1)
-        return {**result, **{k: float(v) for k, v in experience_stats.items()}}
+        for k, total in losses.items():  # one figure per rank, averaged over ranks (equal micro-steps)
+            stats.add_weighted(k, total * (scale if k == "actor_loss" else 1.0) / max(n, 1), 1.0)
+        return agreement
 
-    def first_pass(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    def first_pass(self, exp: Experience, stats: PooledStats) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """The first training forwards on a one-micro-batch buffer whose experience passes were deferred.
 
         The actor's (and critic's) training forwards give the old log-probs, entropy and values
@@ -319,13 +340,13 @@ class Trainer:
         """
         answer = exp.sequences[:, exp.prompt_len:]
         logp, entropy = logprobs_and_entropy(
-            answer_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len), answer)
+            self.policy_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len), answer)
         values = (answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
                   if self.critic is not None else None)
         exp.logp, exp.entropy = logp.detach(), entropy.detach()
         exp.values = values.detach() if values is not None else None
         del entropy
-        return logp, values, self.finish_experience(exp)
+        return logp, values, self.finish_experience(exp, stats)
 
     def train_actor(self, exp: Experience, normalizer: torch.Tensor, scale: float,
                     logp: torch.Tensor | None = None) -> dict:
@@ -334,7 +355,7 @@ class Trainer:
         ``normalizer``, times ``scale`` for DeepSpeed. ``logp`` ``(B, A)``: the actor's log-probs
         from a forward already run on it (:meth:`first_pass`), else computed here."""
         if logp is None:
-            logits = answer_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
+            logits = self.policy_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
             logp = logprobs_from_logits(logits, exp.sequences[:, exp.prompt_len:])
             del logits
         in_loss = self.s.kl_in == "loss"
@@ -384,24 +405,24 @@ def update_ema(ema: torch.nn.Module, model: torch.nn.Module, beta: float) -> Non
         dst.mul_(beta).add_(src.to(dst.dtype), alpha=1.0 - beta)
 
 
-def summarize(exp: Experience, kl_coef: float, stop_ids: list[int]) -> dict:
-    """Rollout statistics of one rank (means over rollouts or over action tokens, ``docs/ppo.md``):
-    scores and their parts, KL, entropy, answer length, the share of answers that end their turn,
-    and with a critic ``explained_variance``, with per-token rewards ``reward/mean``."""
+def summarize(exp: Experience, kl_coef: float, stop_ids: list[int], stats: PooledStats) -> None:
+    """Add the rollout statistics of this rank's buffer to ``stats`` (``docs/ppo.md``), each pooled
+    over the global batch: means over rollouts (scores and their parts, the per-answer KL, answer
+    length, the share of answers that end their turn), the scores' standard deviation, the entropy
+    over action tokens, and with a critic ``explained_variance``, with per-token rewards
+    ``reward/mean``."""
     m = exp.action_mask
     answer = exp.sequences[:, exp.prompt_len:]
-    out = {
-        "reward/score_mean": exp.scores.mean(),
-        "reward/score_std": exp.scores.std(unbiased=False),
-        **{k: v.mean() for k, v in exp.reward_parts.items()},
-        "kl": (exp.kl * m).sum(dim=1).mean(),
-        "entropy": core.masked_mean(exp.entropy, m),
-        "answer_len": m.sum(dim=1).float().mean(),
-        "eos_rate": core.has_stop_token(answer, m, stop_ids).float().mean(),
-        "kl_coef": torch.tensor(float(kl_coef)),
-    }
+    stats.add_mean("reward/score_mean", exp.scores)
+    stats.add_std("reward/score_std", exp.scores)
+    for k, v in exp.reward_parts.items():
+        stats.add_mean(k, v)
+    stats.add_mean("kl", (exp.kl * m).sum(dim=1))
+    stats.add_mean("entropy", exp.entropy, m)
+    stats.add_mean("answer_len", m.sum(dim=1).float())
+    stats.add_mean("eos_rate", core.has_stop_token(answer, m, stop_ids).float())
+    stats.add_weighted("kl_coef", float(kl_coef), 1.0)
     if exp.rewards is not None:
-        out["reward/mean"] = (exp.rewards * m).sum(dim=1).mean()
+        stats.add_mean("reward/mean", (exp.rewards * m).sum(dim=1))
     if exp.values is not None:
-        out["explained_variance"] = core.explained_variance(exp.values, exp.returns, m)
-    return out
+        stats.add_explained_variance("explained_variance", exp.values, exp.returns, m)

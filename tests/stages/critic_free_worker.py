@@ -24,6 +24,7 @@ from chatrl.rewards import (
     score_on_all_ranks,
 )
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES, logp_diff
+from chatrl.rl.stats import PooledStats
 from tests.unit.test_critic_free import critic_free_advantages, step_grad, toy_setup
 
 
@@ -67,6 +68,15 @@ def main():
     diff = logp_diff(sampler[rows], old[rows], mask[rows], all_reduce_sum, all_reduce_max)
     whole_diff = logp_diff(sampler, old, mask)
     result["logp_diff"] = {k: (v.item(), whole_diff[k].item()) for k, v in diff.items()}
+
+    # Logged statistics pooled over the two ranks: rank 0 scores 0, rank 1 scores 1 (std 0.5 over both);
+    # a token mean over ranks holding 6 and 7 tokens.
+    stats = PooledStats()
+    stats.add_std("reward/score_std", torch.full((3,), float(rank)))
+    stats.add_mean("entropy", torch.full((2, 5), float(rank)), mask[rows][:2])
+    result["pooled"] = stats.finish(all_reduce_sum)
+    result["pooled_tokens"] = all_reduce_sum(mask[rows][:2].sum().double().reshape(1)).item()
+    result["pooled_rank1_tokens"] = mask[4:6].sum().item()
 
     # Rank 0 asks a working server; rank 1 a port where nothing listens.
     reward = WeightedReward([(1.0, FunctionReward("exact_match"))])

@@ -22,6 +22,9 @@ def test_two_gloo_ranks_match_one_process_and_a_reward_failure_stops_every_rank(
     for key, (two_ranks, whole) in r["logp_diff"].items():
         assert two_ranks == pytest.approx(whole, abs=1e-12), key
     assert r["logp_diff"]["rollout/logp_diff_max"][0] == pytest.approx(0.07, abs=1e-6)
+    assert r["pooled"]["reward/score_std"] == pytest.approx(0.5)  # the mean of the per-rank stds would be 0
+    share = r["pooled_rank1_tokens"] / r["pooled_tokens"]  # rank 1's tokens weigh by their count
+    assert r["pooled"]["entropy"] == pytest.approx(share, abs=1e-12)
     ok, failed = r["reward_failure"]
     assert ok["msg"] == "rank 0: reward failed at step 11 on rank(s) [1]; see their error"
     assert re.match(r"rank 1: reward failed at step 11: reward server http://127\.0\.0\.1:\d+/ at step 11: "

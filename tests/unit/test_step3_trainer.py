@@ -3,6 +3,7 @@ buffer is one micro-batch or four accumulated ones for each global aggregation m
 the step's global count, scaled by gas × world for DeepSpeed's division); PPO's micro-batch mean is
 the mean of the micro-batches' own means; a critic trains only when the algorithm has one."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from chatrl.config import PPOConfig
 from chatrl.reward_model import RewardModel
+from chatrl.rl.stats import PooledStats
 from chatrl.step3_ppo.trainer import Experience, Trainer
 
 
@@ -85,8 +87,9 @@ def test_gradient_invariant_to_micro_batching(mode):
         model = tiny_model()
         settings = PPOConfig(per_device_training_batch_size=mb, rl_algorithm="grpo", num_samples_per_prompt=4,
                              loss_agg_mode=mode, kl_in="loss", init_kl_coef=0.1)
-        stats = trainer(settings, model, gas).learn(experience())
-        assert torch.isfinite(torch.tensor(stats["actor_loss"]))
+        stats = PooledStats()
+        trainer(settings, model, gas).learn(experience(), stats)
+        assert torch.isfinite(torch.tensor(stats.finish()["actor_loss"]))
         out.append(grads(model))
     assert out[0].abs().sum() > 0
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-6)
@@ -100,8 +103,9 @@ def test_ppo_micro_batch_mean_and_its_critic():
     for mb, gas in ((8, 1), (2, 4)):
         model, critic = tiny_model(), tiny_critic()
         settings = PPOConfig(per_device_training_batch_size=mb, separate_experience_pass=True)
-        stats = trainer(settings, model, gas, FakeEngine(critic, gas)).learn(experience(with_values=True))
-        assert {"actor_loss", "critic_loss", "value_clip_frac", "clip_frac"} <= set(stats)
+        stats = PooledStats()
+        trainer(settings, model, gas, FakeEngine(critic, gas)).learn(experience(with_values=True), stats)
+        assert {"actor_loss", "critic_loss", "value_clip_frac", "clip_frac"} <= set(stats.finish())
         out.append(grads(model))
         critics.append(grads(critic))
     assert (out[0] - out[1]).abs().max() > 1e-4  # the split changes PPO's gradient: that is its aggregation
@@ -111,7 +115,7 @@ def test_ppo_micro_batch_mean_and_its_critic():
         model = tiny_model()
         exp = experience(with_values=True).rows(slice(2 * i, 2 * i + 2))
         settings = PPOConfig(per_device_training_batch_size=2, separate_experience_pass=True)
-        trainer(settings, model, 1, FakeEngine(tiny_critic(), 1)).learn(exp)
+        trainer(settings, model, 1, FakeEngine(tiny_critic(), 1)).learn(exp, PooledStats())
         parts.append(grads(model))
     torch.testing.assert_close(out[1], sum(parts) / 4, rtol=0, atol=1e-6)
     assert critics[0].abs().sum() > 0
@@ -119,3 +123,87 @@ def test_ppo_micro_batch_mean_and_its_critic():
         trainer(PPOConfig(rl_algorithm="grpo"), tiny_model(), 1, FakeEngine(tiny_critic(), 1))
     with pytest.raises(ValueError, match="needs critic"):
         trainer(PPOConfig(), tiny_model(), 1)
+
+
+def test_temperature_is_in_the_sampled_and_the_trained_distribution():
+    """At --temperature 0.5 the first token is drawn from softmax(logits / 0.5): the sampler reports the
+    log-prob of that distribution, the trainer scores the same one (to float32 rounding), and the
+    empirical frequency of the likeliest token matches it, not the untempered probability."""
+    from chatrl.hybrid_engine import GenerationSettings
+    from chatrl.hybrid_engine.decode import TPGroup, decode, gather_prompts
+    from chatrl.logprobs import logprobs_from_logits
+
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # a peaked first-token distribution, far from its tempered one
+    ids = torch.tensor([[5, 6, 7]]).repeat(4000, 1)
+    mask = torch.ones_like(ids)
+    settings = GenerationSettings(max_new_tokens=2, do_sample=True, temperature=0.5, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        tokens, _, sampler_logp = decode(model, gather_prompts(ids, mask, TPGroup(), 0, 2), settings, TPGroup(),
+                                         keep_logprobs=True)
+    seq = torch.cat([ids, tokens], dim=1)
+    tr = trainer(PPOConfig(rl_algorithm="grpo"), model, 1)
+    tr.temperature = 0.5
+    with torch.no_grad():
+        logits = tr.policy_logits(model, seq[:8], torch.ones_like(seq[:8]), 3)
+        trained = logprobs_from_logits(logits, seq[:8, 3:])
+        first = torch.softmax(model(ids[:1]).logits[0, -1].float(), -1)
+    torch.testing.assert_close(trained, sampler_logp[:8], rtol=0, atol=1e-5)
+    top = int(first.argmax())
+    p_untempered = float(first[top])
+    p_tempered = float(torch.softmax(torch.log(first) / 0.5, -1)[top])
+    freq = float((tokens[:, 0] == top).float().mean())
+    sigma = (p_tempered * (1 - p_tempered) / len(ids)) ** 0.5
+    assert abs(freq - p_tempered) < 4 * sigma, (freq, p_tempered, p_untempered)
+    assert abs(freq - p_untempered) > 8 * sigma  # the untempered distribution is not what was sampled (0.37 vs 0.49)
+
+
+def test_pooled_statistics_are_those_of_the_global_batch():
+    """Rank 0 scoring 0 and rank 1 scoring 1: the score std over both is 0.5 (the mean of the per-rank
+    stds is 0); a token mean weighs every token of every rank alike; the explained variance is the
+    whole batch's; means, stds and the explained variance equal the one-process figures."""
+    from chatrl.rl import core
+    from tests.unit.test_critic_free import simulate_ranks
+
+    torch.manual_seed(0)
+    scores = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    entropy = torch.rand(6, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
+    values, returns = torch.randn(6, 4), torch.randn(6, 4)
+
+    def fill(stats, rows):
+        stats.add_mean("score_mean", scores[rows])
+        stats.add_std("score_std", scores[rows])
+        stats.add_mean("entropy", entropy[rows], mask[rows])
+        stats.add_explained_variance("ev", values[rows], returns[rows], mask[rows])
+        clipped = (entropy[rows] > 0.5).float()  # a micro-batch's token mean, weighed by its token count
+        stats.add_weighted("clip_frac", core.masked_mean(clipped, mask[rows]).item(), float(mask[rows].sum()))
+
+    def rank(r, reduce):
+        stats = PooledStats()
+        fill(stats, slice(3 * r, 3 * r + 3))
+        return stats.finish(reduce)
+
+    per_rank = simulate_ranks(rank, 2)
+    whole = PooledStats()
+    fill(whole, slice(0, 6))
+    whole = whole.finish()
+    assert per_rank[0] == per_rank[1]
+    got = per_rank[0]
+    assert got["score_std"] == pytest.approx(0.5) and got["score_mean"] == pytest.approx(0.5)
+    assert got["entropy"] == pytest.approx(core.masked_mean(entropy, mask).item(), abs=1e-6)  # float32 there
+    assert got["ev"] == pytest.approx(core.explained_variance(values, returns, mask).item(), abs=1e-6)
+    for k in whole:
+        assert got[k] == pytest.approx(whole[k], abs=1e-7), k
+    # the mean of per-rank figures is what was logged before: it differs for every non-additive one
+    ranks = [PooledStats(), PooledStats()]
+    for r in (0, 1):
+        fill(ranks[r], slice(3 * r, 3 * r + 3))
+    alone = [s.finish() for s in ranks]
+    assert (alone[0]["score_std"] + alone[1]["score_std"]) / 2 == 0.0
+    assert abs((alone[0]["entropy"] + alone[1]["entropy"]) / 2 - got["entropy"]) > 1e-3
+    constant = PooledStats()
+    constant.add_explained_variance("ev", values, torch.full((6, 4), 3.217), mask)
+    assert math.isnan(constant.finish()["ev"])  # returns that do not vary: NaN, as core.explained_variance
