@@ -113,7 +113,11 @@ def test_two_nodes_follow_the_single_node_run_and_save_the_same_folders(tmp_path
             assert files_one[name] == files_two[name], (sub, name)
         runs = [json.loads((root / sub / "chatrl_run.json").read_text()) for root in (one, two)]
         final = [{k: v for k, v in r["metrics"].items() if not k.startswith(TIMINGS)} for r in runs]
-        assert final[0] == final[1] and runs[0]["steps"] == runs[1]["steps"], sub
+        # equal to the last bit but for the sampler/trainer gap, a float32-rounding figure of the decode
+        # kernels, which depend on the threads per rank (2 ranks on one node: 1 each; one per node: 2)
+        assert final[0].keys() == final[1].keys() and runs[0]["steps"] == runs[1]["steps"], sub
+        for k, v in final[0].items():
+            assert final[1][k] == (pytest.approx(v, abs=1e-6) if k.startswith("rollout/logp_diff") else v), (sub, k)
     assert (two / "step3_rlhf" / "actor" / "model.safetensors").exists()
 
 
