@@ -103,7 +103,8 @@ def grpo_outcome_advantages(scores: torch.Tensor, num_samples_per_prompt: int, s
     ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` with the unbiased (Bessel) standard
     deviation of the ``N`` rewards of the answer's group. ``scale_by_std=False`` drops the division
     (Dr. GRPO: ``A_i = r_i - mean(r_group)``), which removes the question-difficulty weighting.
-    A group whose rewards are all equal gets advantage 0.
+    Computed in float64 around a refined group mean (:func:`chatrl.rl.core.masked_moments`): a
+    group whose rewards are all equal gets advantage exactly 0, for any ``N`` and value.
 
     Args:
         scores: ``(B,)`` rewards, ``B = G * N`` in the group layout (module docstring).
@@ -124,16 +125,18 @@ def grpo_outcome_advantages(scores: torch.Tensor, num_samples_per_prompt: int, s
         raise ValueError(f"grpo_outcome_advantages: num_samples_per_prompt must be >= 2, got {num_samples_per_prompt}")
     with torch.no_grad():
         r = _groups(scores, num_samples_per_prompt, "grpo_outcome_advantages")
-        adv = r - r.mean(dim=1, keepdim=True)
+        _, adv, n, sum_sq = core.masked_moments(r, torch.ones_like(r, dtype=torch.bool), dim=1)
         if scale_by_std:
-            adv = adv / (r.std(dim=1, unbiased=True, keepdim=True) + eps)
-    return adv.reshape(-1)
+            adv = adv / ((sum_sq / (n - 1)).sqrt() + eps)
+    return adv.reshape(-1).to(float_dtype(scores))
 
 
 def rloo_outcome_advantages(scores: torch.Tensor, num_samples_per_prompt: int) -> torch.Tensor:
     """RLOO's leave-one-out advantage: each answer's reward minus the mean of the other ``N - 1``.
 
-    ``A_i = r_i - (sum_j r_j - r_i) / (N - 1) = N / (N - 1) * (r_i - mean(r_group))``.
+    ``A_i = r_i - (sum_j r_j - r_i) / (N - 1) = N / (N - 1) * (r_i - mean(r_group))``, computed as the
+    right-hand side in float64 around a refined mean (:func:`chatrl.rl.core.masked_moments`): a group
+    of equal rewards gets exactly 0.
 
     Args:
         scores: ``(B,)`` rewards in the group layout. num_samples_per_prompt: ``N >= 2``.
@@ -152,8 +155,9 @@ def rloo_outcome_advantages(scores: torch.Tensor, num_samples_per_prompt: int) -
         raise ValueError(f"rloo_outcome_advantages: num_samples_per_prompt must be >= 2, got {n}")
     with torch.no_grad():
         r = _groups(scores, n, "rloo_outcome_advantages")
-        adv = r - (r.sum(dim=1, keepdim=True) - r) / (n - 1)
-    return adv.reshape(-1)
+        _, dev, _, _ = core.masked_moments(r, torch.ones_like(r, dtype=torch.bool), dim=1)
+        adv = dev * (n / (n - 1))
+    return adv.reshape(-1).to(float_dtype(scores))
 
 
 def kl_reward_to_go(kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
@@ -192,8 +196,9 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Al
     """:func:`core.masked_whiten` over the valid tokens of ALL ranks together.
 
     ``out = (x - mean) / sqrt(var + core.WHITEN_EPS)``, mean and unbiased variance over every valid
-    position of every rank's ``x`` (two all-reduces: count and sum, then squared deviations). On
-    one rank (``all_reduce_sum=None``) it equals :func:`core.masked_whiten`. Masked positions are 0.
+    position of every rank's ``x`` (two all-reduces: count and sum, then the mean's correction and
+    the squared deviations; :func:`core.masked_moments`). On one rank (``all_reduce_sum=None``) it
+    equals :func:`core.masked_whiten`. Masked positions are 0; a constant input gives exactly 0.
 
     Args:
         x: ``(B, A)``. mask: ``(B, A)``, non-zero = valid.
@@ -206,16 +211,8 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Al
     Source: REINFORCE++ global advantage normalisation, Hu 2025, section 3.2.
     """
     core.check_same_shape("global_masked_whiten", x=x, mask=mask)
-    reduce = all_reduce_sum or (lambda t: t)
     with torch.no_grad():
-        dtype = torch.float64  # sums over a whole global batch
-        valid = core.valid_mask(mask)
-        s = reduce(torch.stack([valid.sum().to(dtype), core.masked_sum(x.to(dtype), valid)]))
-        n, mean = s[0], s[1] / s[0].clamp(min=1)
-        sq = reduce(core.masked_sum((x.to(dtype) - mean) ** 2, valid).reshape(1))[0]
-        var = torch.where(n > 1, sq / (n - 1).clamp(min=1), sq / n.clamp(min=1))
-        out = ((x.to(dtype) - mean) * torch.rsqrt(var + core.WHITEN_EPS)).to(x.dtype)
-        return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return core.masked_whiten(x, mask, all_reduce_sum=all_reduce_sum)
 
 
 # ----------------------------------------------------------------------------- estimators
