@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -94,15 +96,64 @@ class RewardSource(Protocol):
     def __call__(self, batch: RewardBatch) -> torch.Tensor: ...
 
 
+def _bool_error(where: str, i: int | None, v) -> RewardError:
+    what = f": score {i} is a boolean ({v!r})" if i is not None else f" returned booleans ({v})"
+    return RewardError(f"{where}{what}; return numbers (float(ok) gives 1.0 / 0.0)")
+
+
+def _number(v, i: int, where: str) -> float:
+    """Score ``i`` as a float: a real number (Python, NumPy, or a one-element torch tensor / NumPy array)."""
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        size = v.numel() if isinstance(v, torch.Tensor) else v.size
+        if size != 1:
+            raise RewardError(f"{where}: score {i} is an array of {size} numbers, expected one number")
+        if isinstance(v, torch.Tensor):
+            kind = "b" if v.dtype == torch.bool else "c" if v.is_complex() else "f"
+        else:
+            kind = v.dtype.kind
+        if kind == "b":
+            raise _bool_error(where, i, v)
+        if kind == "c":
+            raise RewardError(f"{where}: score {i} is complex ({v!r}), expected a real number")
+        v = v.item()
+    if isinstance(v, (bool, np.bool_)):
+        raise _bool_error(where, i, v)
+    if not isinstance(v, numbers.Real):
+        raise RewardError(f"{where}: score {i} is a {type(v).__name__} ({v!r}), expected a number")
+    return float(v)
+
+
 def check_scores(values, n: int, where: str) -> torch.Tensor:
-    """``values`` (a sequence of numbers or a tensor) as a ``(n,)`` float32 CPU tensor.
+    """``values`` as a ``(n,)`` float32 CPU tensor.
+
+    Accepted: any real numbers, as a list or tuple (of Python, NumPy or one-element torch/NumPy
+    numbers), a NumPy array or a torch tensor of integer or floating dtype (``np.float32``,
+    ``np.int64``, ``torch.bfloat16``, …), flattened. Booleans (Python, NumPy, torch) are refused:
+    a check's outcome becomes a score only by a choice of values, ``float(ok)`` (docs/rewards.md);
+    so are complex numbers, strings and non-finite values.
 
     Raises:
-        RewardError: wrong length, not numbers, or a non-finite value; the message names ``where``
-            and the first bad index.
+        RewardError: wrong length, not real numbers, a boolean or a non-finite value; the message
+            names ``where`` and the first bad index.
     """
     if isinstance(values, torch.Tensor):
-        values = values.detach().float().cpu().reshape(-1).tolist()
+        if values.dtype == torch.bool:
+            raise _bool_error(where, None, "a torch.bool tensor")
+        if values.is_complex():
+            raise RewardError(f"{where} returned a complex tensor, expected real numbers")
+        values = values.detach().to(torch.float64).cpu().reshape(-1).tolist()
+    elif isinstance(values, np.ndarray):
+        if values.dtype.kind == "b":
+            raise _bool_error(where, None, "a NumPy bool array")
+        if values.dtype.kind in "iuf":
+            values = values.astype(np.float64).reshape(-1).tolist()
+        elif values.dtype.kind == "O":
+            values = list(values.reshape(-1))
+        else:
+            raise RewardError(f"{where} returned a NumPy array of dtype {values.dtype}, expected real numbers")
+    elif isinstance(values, (str, bytes, numbers.Number, np.generic)):
+        raise RewardError(f"{where} returned a {type(values).__name__}, expected one number per answer (a list, "
+                          "array or tensor)")
     try:
         values = list(values)
     except TypeError:
@@ -111,11 +162,10 @@ def check_scores(values, n: int, where: str) -> torch.Tensor:
         raise RewardError(f"{where} returned {len(values)} scores for {n} answers")
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RewardError(f"{where}: score {i} is a {type(v).__name__} ({v!r}), expected a number")
-        if not math.isfinite(v):
-            raise RewardError(f"{where}: score {i} is not finite ({v})")
-        out.append(float(v))
+        x = _number(v, i, where)
+        if not math.isfinite(x):
+            raise RewardError(f"{where}: score {i} is not finite ({x})")
+        out.append(x)
     return torch.tensor(out, dtype=torch.float32)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,10 +113,40 @@ def test_build_reward_parses_weights():
         build_reward([], ["ftp://x"])
 
 
-def test_check_scores():
-    assert check_scores([1, 2.5], 2, "x").dtype == torch.float32
-    with pytest.raises(RewardError, match="x: score 0 is a bool"):
-        check_scores([True], 1, "x")
+NUMERIC_RETURNS = [
+    np.array([0.25, 3.0], dtype=np.float32), np.array([0.25, 3.0]), np.array([1, 3], dtype=np.int64),
+    np.array([1, 3], dtype=np.uint8), [np.float32(0.25), np.int64(3)], (np.float16(0.25), np.int32(3)),
+    [np.array(0.25), np.array([3.0])], torch.tensor([0.25, 3.0], dtype=torch.bfloat16),
+    torch.tensor([[1], [3]]), [torch.tensor(0.25), torch.tensor([3], dtype=torch.int64)],
+    np.array([np.float64(0.25), 3], dtype=object), [Fraction(1, 4), 3], [0.25, 3],
+]
+
+
+@pytest.mark.parametrize("values", NUMERIC_RETURNS, ids=lambda v: type(v).__name__)
+def test_check_scores_accepts_every_real_numeric_scalar_and_array(values):
+    """Python, NumPy and torch numbers, scalars in a list or whole arrays, of any int/float dtype."""
+    got = check_scores(values, 2, "x")
+    assert got.dtype == torch.float32 and got.shape == (2,)
+    assert got[1].item() == 3.0 and got[0].item() in (0.25, 1.0)
+    # through a reward function, as step 3 calls it
+    fn = FunctionReward(lambda prompts, answers, meta: values, name="numpy")
+    assert fn(batch(["a", "b"])).tolist() == got.tolist()
+
+
+@pytest.mark.parametrize("values, message", [
+    ([True, 1.0], "score 0 is a boolean"), ([1.0, np.bool_(False)], "score 1 is a boolean"),
+    (np.array([True, False]), "returned booleans"), (torch.tensor([True, False]), "returned booleans"),
+    ([torch.tensor(True), 1], "score 0 is a boolean"),
+    ([1.0, float("nan")], r"score 1 is not finite \(nan\)"), (np.array([1.0, np.inf], dtype=np.float32), "not finite"),
+    (torch.tensor([float("-inf"), 0.0]), "score 0 is not finite"), (["1", 2], "score 0 is a str"),
+    ([1 + 2j, 1], "score 0 is a complex"), (np.array([1j, 2]), "complex"), (torch.tensor([1j, 2]), "complex"),
+    (np.array(["a", "b"]), "dtype <U1"), ([None, 1], "NoneType"), ([np.array([1.0, 2.0]), 1], "array of 2 numbers"),
+    (2.0, "returned a float, expected one number per answer"), (np.float32(2), "returned a float32"),
+    ([1, 2, 3], "returned 3 scores for 2 answers"),
+])
+def test_check_scores_refuses_booleans_and_non_finite_or_non_real_values(values, message):
+    with pytest.raises(RewardError, match=message):
+        check_scores(values, 2, "x")
 
 
 def test_score_on_all_ranks_fails_everywhere_when_one_rank_fails():
