@@ -42,6 +42,73 @@ def test_extract_final_number_and_exact_match():
         exact_match([""], ["1"], [{"reference": "seven"}])
 
 
+# (text, value read) — the table of docs/rewards.md
+VALUE_CASES = [
+    ("so 3 + 4 = 7.", 7), ("1/4", Fraction(1, 4)), ("3/4", Fraction(3, 4)), ("0.75", Fraction(3, 4)),
+    ("1e-05", Fraction(1, 100000)), ("2.5E3", 2500), ("-12", -12), ("−3", -3), ("+4", 4), (".5", Fraction(1, 2)),
+    ("1,234.5 dollars", Fraction(2469, 2)), ("1,000,000", 10**6), ("total 1,2345", 2345), ("50%", 50),
+    ("The answer is 3/4, not 1/4", Fraction(3, 4)), ("Answer: 42", 42), ("#### 1,000", 1000),
+    ("The answer is 3 + 4 = 7", 7), ("the answer is 7.0", 7), ("so it is -5", -5), ("3 - 5 = -2", -2),
+    (r"\boxed{\frac{3}{4}}", Fraction(3, 4)), (r"$\dfrac34$", Fraction(3, 4)), (r"-\frac{3}{4}", Fraction(-3, 4)),
+    (r"\frac{-3}{4}", Fraction(-3, 4)), (r"so \boxed{1\,234}", 1234), (r"\boxed{5 \text{ cm}}", 5),
+    (r"\boxed{x = -2}", -2), (r"\boxed{-0.75} but 1/4 above", Fraction(-3, 4)), ("1 1/2", Fraction(3, 2)),
+    ("-1 1/2", Fraction(-3, 2)), (r"2.5 \times 10^{3}", 2500), ("2.5 × 10^-3", Fraction(1, 400)),
+    ("2*10^3", 2000), ("2^10 = 1024", 1024), ("H2O weighs 18", 18),
+    # no value: none, an expression, or a box that does not hold one number
+    ("none", None), ("x - 5", None), ("2 * 3", None), ("2^10", None), (r"\sqrt{2}", None), ("5!", None),
+    (r"2\pi", None), ("x2", None), ("3/4/2020", None), ("1/0", None), (r"\boxed{x+1}", None),
+    (r"\boxed{2^{10}}", None), (r"\boxed{(3, 4)}", None), (r"\frac{x}{2}", None), ("the answer is x", None),
+]
+
+
+@pytest.mark.parametrize("text, value", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
+def test_final_value_grammar(text, value):
+    assert extract_final_number(text) == value
+
+
+def test_exact_match_fractions_decimals_and_exponents():
+    """The reported misreadings: "1/4" against "3/4" scored 1 (both read 4), "0.75" against "3/4"
+    scored 0, a numeric reference 1e-05 read as -5."""
+    answers = ["1/4", "0.75", "3/4", r"\boxed{\frac{3}{4}}", "the answer is 0.75.", "0.00001", "1e-5", "-5", "5"]
+    refs = ["3/4", "3/4", "0.75", "3/4", "3/4", 1e-05, "1e-05", 1e-05, 1e-05]
+    assert exact_match([""] * 9, answers, [{"reference": r} for r in refs]) == [0, 1, 1, 1, 1, 1, 1, 0, 0]
+
+
+def _forms(v: Fraction) -> list[str]:
+    """Ways a maths answer writes the value ``v``."""
+    out = [f"{v.numerator}/{v.denominator}", rf"\frac{{{v.numerator}}}{{{v.denominator}}}",
+           rf"so the answer is \boxed{{{v.numerator}/{v.denominator}}}", f"The answer is {v.numerator}/{v.denominator}."]
+    if v.denominator == 1:
+        n = v.numerator
+        out += [str(n), f"{n:,}", f"{n}.0", f"x = {n}", f"#### {n}", f"{float(n):e}"]
+    d = v.denominator
+    while d % 2 == 0:
+        d //= 2
+    while d % 5 == 0:
+        d //= 5
+    if d == 1:  # a terminating decimal
+        dec = f"{float(v):.10f}".rstrip("0").rstrip(".")
+        out += [dec, f"{float(v):e}", f"the answer is {dec}"]
+    return out
+
+
+def test_exact_match_never_rewards_a_wrong_value_and_matches_every_form_of_the_right_one():
+    import random
+
+    rng = random.Random(0)
+    values = {Fraction(rng.randint(-3000, 3000), rng.choice([1, 1, 2, 3, 4, 5, 8, 10, 16, 25, 7, 100]))
+              for _ in range(60)} | {Fraction(0), Fraction(1, 4), Fraction(3, 4), Fraction(1, 100000), Fraction(-5)}
+    values = sorted(values)
+    for v in values:
+        for ref in _forms(v)[:2] + [float(v)] * (float(v) == v):
+            right = _forms(v)
+            assert exact_match([""] * len(right), right, [{"reference": ref}] * len(right)) == [1.0] * len(right), (v, ref)
+            w = values[(values.index(v) + 1) % len(values)]  # the next value: another number, maybe close
+            assert all(extract_final_number(a) == w for a in _forms(w)), w
+            wrong = _forms(w) + [f"{v} + 1", f"{v} - 1", f"2 * {v}", f"{v}^2", f"x{v.numerator}"]
+            assert exact_match([""] * len(wrong), wrong, [{"reference": ref}] * len(wrong)) == [0.0] * len(wrong)
+
+
 def test_regex_format_default_and_per_row_pattern():
     meta = [{}, {}, {"format_regex": r"^\s*-?\d+\s*$"}, {"format_regex": r"^\s*-?\d+\s*$"}]
     assert regex_format([""] * 4, ["so 42", "42 apples", " -3 ", "x = 3"], meta) == [1, 0, 1, 0]
