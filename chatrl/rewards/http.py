@@ -7,10 +7,12 @@ URL, ``Content-Type: application/json``, body::
 
 (three lists of equal length). A ``200`` response's body is ``{"scores": [0.5, ...]}``, one finite
 number per answer, in order. Any other status is an error; its body may be ``{"error": "why"}``.
+A transient status (408, 429, 5xx) is retried, after the server's ``Retry-After`` when it sends one.
 """
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import json
 import math
@@ -23,6 +25,36 @@ import torch
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores
 
 MAX_BACKOFF_S = 5.0
+
+#: HTTP statuses that say "try again later": request timeout, too many requests (and every 5xx).
+TRANSIENT_STATUSES = (408, 429)
+
+
+def is_transient(status: int) -> bool:
+    """Whether a failed request with this HTTP status is worth retrying (408, 429, 5xx)."""
+    return status in TRANSIENT_STATUSES or 500 <= status <= 599
+
+
+def retry_after_s(value: str | None, cap: float, now: float | None = None) -> float | None:
+    """Seconds to wait before the next attempt from a ``Retry-After`` header: a number of seconds
+    or an HTTP date (RFC 9110, section 10.2.3), at least 0 and at most ``cap``; None when the
+    header is absent or unreadable (the client's own backoff applies then)."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if not math.isfinite(seconds):
+        return None
+    return min(max(seconds, 0.0), cap)
 
 
 def encode_request(batch: RewardBatch, start: int = 0, stop: int | None = None) -> bytes:
@@ -77,12 +109,14 @@ class HttpReward:
     Args:
         url: ``http://host:port/path`` the requests are POSTed to.
         timeout: seconds for each request (connect and each read).
-        retries: extra attempts after a connection error, a timeout or a 5xx status (not after a
-            4xx or a malformed answer: those would fail again). Backoff 0.5 s, 1 s, 2 s, … (max 5 s).
+        retries: extra attempts after a connection error, a timeout or a transient status (408,
+            429, 5xx: :func:`is_transient`), not after another 4xx or a malformed answer (those
+            would fail again). The wait before a retry is the server's ``Retry-After`` (seconds or
+            an HTTP date, capped at ``timeout``), else a backoff of 0.5 s, 1 s, 2 s, … (max 5 s).
         batch_size: answers per request.
         name: log label.
 
-    A call takes at most about ``(retries + 1) * timeout`` plus the backoffs per request.
+    A call takes at most about ``(retries + 1) * timeout`` plus the waits per request.
 
     Raises:
         ValueError: a URL that is not http(s), a non-positive timeout or batch size, negative retries.
@@ -108,10 +142,11 @@ class HttpReward:
     def _post(self, batch: RewardBatch, start: int, stop: int) -> torch.Tensor:
         where = f"reward server {self.url} at step {batch.step}"
         body = encode_request(batch, start, stop)
-        last = ""
+        last, wait = "", None
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                time.sleep(min(0.5 * 2 ** (attempt - 1), MAX_BACKOFF_S) if wait is None else wait)
+            wait = None
             req = urllib.request.Request(self.url, data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
             try:
@@ -119,9 +154,10 @@ class HttpReward:
                     data = resp.read()
             except urllib.error.HTTPError as exc:
                 detail = _error_detail(exc)
-                if exc.code < 500:
+                if not is_transient(exc.code):
                     raise RewardError(f"{where}: HTTP {exc.code}: {detail}") from None
                 last = f"HTTP {exc.code}: {detail}"
+                wait = retry_after_s(exc.headers.get("Retry-After") if exc.headers else None, self.timeout)
                 continue
             except TimeoutError as exc:
                 last = f"no answer within {self.timeout} s ({exc})"

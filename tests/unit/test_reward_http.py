@@ -85,15 +85,19 @@ def test_reward_server_module_end_to_end(tmp_path):
 
 
 class Scripted(BaseHTTPRequestHandler):
-    """Answers by ``self.server.script``: a list of ``(delay_s, status, body)`` consumed in order."""
+    """Answers by ``self.server.script``: a list of ``(delay_s, status, body[, headers])`` consumed in
+    order (the last one repeats)."""
 
     def do_POST(self):  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.server.requests += 1
-        delay, status, body = self.server.script.pop(0) if len(self.server.script) > 1 else self.server.script[0]
+        self.server.times.append(time.time())
+        delay, status, body, *headers = self.server.script.pop(0) if len(self.server.script) > 1 else self.server.script[0]
         time.sleep(delay)
         try:
             self.send_response(status)
+            for k, v in (headers[0] if headers else {}).items():
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -111,7 +115,7 @@ def scripted():
     def start(script):
         server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
         server.daemon_threads = True
-        server.script, server.requests = list(script), 0
+        server.script, server.requests, server.times = list(script), 0, []
         servers.append(server)
         return server, serve(server)
 
@@ -151,6 +155,61 @@ def test_a_5xx_is_retried_and_then_succeeds(scripted):
     server, url = scripted([(0, 503, b"busy"), (0, 200, json.dumps({"scores": [0.5] * 6}).encode())])
     assert HttpReward(url, timeout=5, retries=1)(the_batch()).tolist() == [0.5] * 6
     assert server.requests == 2
+
+
+OK_BODY = json.dumps({"scores": [0.5] * 6}).encode()
+
+
+@pytest.mark.parametrize("status, headers", [
+    (429, {"Retry-After": "0"}), (408, {}), (429, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}),
+    (503, {"Retry-After": "0.1"}), (502, {})])
+def test_transient_statuses_are_retried_honouring_retry_after(scripted, status, headers):
+    """A throttled (429), timed-out (408) or failing (5xx) request is retried within the budget; a
+    Retry-After of 0 or of a past date retries at once (no backoff)."""
+    server, url = scripted([(0, status, b'{"error": "slow down"}', headers), (0, 200, OK_BODY)])
+    assert HttpReward(url, timeout=5, retries=1)(the_batch()).tolist() == [0.5] * 6
+    assert server.requests == 2
+    gap = server.times[1] - server.times[0]
+    if headers.get("Retry-After") == "0" or "2015" in headers.get("Retry-After", ""):
+        assert gap < 0.3  # not the 0.5 s backoff
+    elif headers:
+        assert 0.1 <= gap < 0.4
+    else:
+        assert gap >= 0.5  # the client's own backoff
+
+
+def test_retry_after_is_capped_by_the_timeout_and_the_budget_is_kept(scripted):
+    from email.utils import formatdate
+
+    server, url = scripted([(0, 429, b'{"error": "slow down"}', {"Retry-After": "1000"})])
+    t0 = time.time()
+    with pytest.raises(RewardError, match=rf"reward server {url} at step 4: failed after 3 attempt\(s\): "
+                                          "HTTP 429: slow down"):
+        HttpReward(url, timeout=0.3, retries=2)(the_batch())
+    assert server.requests == 3 and time.time() - t0 < 2 * 0.3 + 1.0  # two capped waits, slack
+    future = formatdate(time.time() + 1000, usegmt=True)
+    server, url = scripted([(0, 503, b"busy", {"Retry-After": future}), (0, 200, OK_BODY)])
+    t0 = time.time()
+    assert HttpReward(url, timeout=0.4, retries=1)(the_batch()).tolist() == [0.5] * 6
+    assert server.requests == 2 and 0.35 < time.time() - t0 < 1.5
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
+def test_other_4xx_fail_at_once_with_the_servers_message(scripted, status):
+    server, url = scripted([(0, status, b'{"error": "bad request body"}', {"Retry-After": "0"}), (0, 200, OK_BODY)])
+    with pytest.raises(RewardError, match=f"HTTP {status}: bad request body"):
+        HttpReward(url, timeout=5, retries=3)(the_batch())
+    assert server.requests == 1
+
+
+def test_retry_after_header_values():
+    from chatrl.rewards.http import is_transient, retry_after_s
+
+    assert [is_transient(c) for c in (408, 429, 500, 503, 599, 400, 404, 413, 200)] == [True] * 5 + [False] * 4
+    assert retry_after_s("0", 10) == 0 and retry_after_s("2.5", 10) == 2.5 and retry_after_s("120", 10) == 10
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", 10) == 0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", 10, now=1445412475.0) == 5.0
+    assert retry_after_s(None, 10) is None and retry_after_s("soon", 10) is None and retry_after_s("-3", 10) == 0
 
 
 def test_no_server_is_a_clear_error():
