@@ -32,6 +32,10 @@ class RewardBatch:
         sequences: optional ``(B, T)`` token ids (prompt + answer), for a reward model.
         attention_mask: optional ``(B, T)``.
         prompt_len: width ``P`` of the (left-padded) prompt block of ``sequences``.
+        formatted_texts: optional ``B`` texts of the whole conversation as the model saw it: the
+            prompt with its chat-template markers and special tokens, then the answer through its
+            stop token, padding dropped (one decode of the ids below). What a reward model scores.
+        token_ids: optional ``B`` lists of the same token ids (prompt + answer, no padding).
     """
 
     prompts: list[str]
@@ -41,6 +45,8 @@ class RewardBatch:
     sequences: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     prompt_len: int | None = None
+    formatted_texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if not self.metadata:
@@ -48,6 +54,10 @@ class RewardBatch:
         if not len(self.prompts) == len(self.answers) == len(self.metadata):
             raise ValueError(f"RewardBatch: {len(self.prompts)} prompts, {len(self.answers)} answers and "
                              f"{len(self.metadata)} metadata rows must be as many")
+        for name in ("formatted_texts", "token_ids"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.answers):
+                raise ValueError(f"RewardBatch: {len(value)} {name} for {len(self.answers)} answers")
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -60,7 +70,10 @@ def reward_batch_from_tokens(tokenizer, sequences: torch.Tensor, attention_mask:
 
     The prompt is the block ``sequences[:, :prompt_len]`` where ``attention_mask`` is non-zero
     (left padding dropped); the answer the tokens where ``action_mask`` is non-zero (through the
-    first EOS). Both are decoded with ``skip_special_tokens=True``.
+    first stop token). ``prompts`` and ``answers`` are decoded with ``skip_special_tokens=True`` (for
+    rule rewards); ``formatted_texts`` is prompt and answer decoded together with every marker and
+    special token kept, and ``token_ids`` the same ids as lists: what a reward model behind a
+    server must score to give the in-process score (``docs/rewards.md``).
 
     Args:
         tokenizer: the actor's tokenizer.
@@ -79,13 +92,21 @@ def reward_batch_from_tokens(tokenizer, sequences: torch.Tensor, attention_mask:
                          f"prompt_len {prompt_len}")
     if metadata is not None and len(metadata) != b:
         raise ValueError(f"reward_batch_from_tokens: {len(metadata)} metadata rows for {b} sequences")
-    seq = sequences.cpu()
-    prompts = [tokenizer.decode(seq[i, :prompt_len][attention_mask[i, :prompt_len].cpu() != 0],
-                                skip_special_tokens=True) for i in range(b)]
-    answers = [tokenizer.decode(seq[i, prompt_len:][action_mask[i].cpu() != 0], skip_special_tokens=True)
-               for i in range(b)]
+    seq, mask, actions = sequences.cpu(), attention_mask.cpu(), action_mask.cpu()
+    prompt_ids = [seq[i, :prompt_len][mask[i, :prompt_len] != 0].tolist() for i in range(b)]
+    answer_ids = [seq[i, prompt_len:][actions[i] != 0].tolist() for i in range(b)]
+    prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompt_ids]
+    answers = [tokenizer.decode(a, skip_special_tokens=True) for a in answer_ids]
+    token_ids = [p + a for p, a in zip(prompt_ids, answer_ids, strict=True)]
+    formatted = [decode_exactly(tokenizer, ids) for ids in token_ids]
     meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in range(b)]
-    return RewardBatch(prompts, answers, meta, step, sequences, attention_mask, prompt_len)
+    return RewardBatch(prompts, answers, meta, step, sequences, attention_mask, prompt_len, formatted, token_ids)
+
+
+def decode_exactly(tokenizer, ids: Sequence[int]) -> str:
+    """``ids`` as text with every special token and chat-template marker kept and no clean-up of
+    spaces: the text the model saw."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 class RewardSource(Protocol):

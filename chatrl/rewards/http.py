@@ -3,9 +3,11 @@
 Protocol (``docs/rewards.md``): one ``POST`` per batch of at most ``batch_size`` answers to the
 URL, ``Content-Type: application/json``, body::
 
-    {"step": 12, "prompts": ["..."], "answers": ["..."], "metadata": [{...}]}
+    {"step": 12, "prompts": ["..."], "answers": ["..."], "metadata": [{...}],
+     "formatted_texts": ["..."], "token_ids": [[...]]}
 
-(three lists of equal length). A ``200`` response's body is ``{"scores": [0.5, ...]}``, one finite
+(lists of equal length; the last two are optional: the conversation as the model saw it, chat
+markers and special tokens kept, and its token ids). A ``200`` response's body is ``{"scores": [0.5, ...]}``, one finite
 number per answer, in order. Any other status is an error; its body may be ``{"error": "why"}``.
 A transient status (408, 429, 5xx) is retried, after the server's ``Retry-After`` when it sends one.
 """
@@ -60,12 +62,19 @@ def retry_after_s(value: str | None, cap: float, now: float | None = None) -> fl
 def encode_request(batch: RewardBatch, start: int = 0, stop: int | None = None) -> bytes:
     """The JSON body for answers ``[start, stop)`` of ``batch``."""
     sl = slice(start, stop)
-    return json.dumps({"step": batch.step, "prompts": batch.prompts[sl], "answers": batch.answers[sl],
-                       "metadata": batch.metadata[sl]}).encode("utf-8")
+    body = {"step": batch.step, "prompts": batch.prompts[sl], "answers": batch.answers[sl],
+            "metadata": batch.metadata[sl]}
+    if batch.formatted_texts is not None:
+        body["formatted_texts"] = batch.formatted_texts[sl]
+    if batch.token_ids is not None:
+        body["token_ids"] = [[int(i) for i in ids] for ids in batch.token_ids[sl]]
+    return json.dumps(body).encode("utf-8")
 
 
 def decode_request(body: bytes) -> RewardBatch:
     """Parse a request body (the server side).
+
+    A request without ``formatted_texts`` / ``token_ids`` (an older client) is accepted.
 
     Raises:
         ValueError: not JSON, not an object, a missing/mistyped field or lists of different lengths.
@@ -85,7 +94,14 @@ def decode_request(body: bytes) -> RewardBatch:
     step = req.get("step", 0)
     if not isinstance(step, int):
         raise ValueError("request field 'step' must be an integer")
-    return RewardBatch(req["prompts"], req["answers"], metadata, step=step)
+    texts, ids = req.get("formatted_texts"), req.get("token_ids")
+    if texts is not None and (not isinstance(texts, list) or not all(isinstance(t, str) for t in texts)):
+        raise ValueError("request field 'formatted_texts' must be a list of strings")
+    if ids is not None and (not isinstance(ids, list) or not all(
+            isinstance(r, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in r)
+            for r in ids)):
+        raise ValueError("request field 'token_ids' must be a list of lists of non-negative integers")
+    return RewardBatch(req["prompts"], req["answers"], metadata, step=step, formatted_texts=texts, token_ids=ids)
 
 
 def decode_response(body: bytes, n: int, where: str) -> torch.Tensor:

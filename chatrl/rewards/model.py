@@ -1,8 +1,16 @@
 """A trained reward model as a text reward source (for the reward server, or any text batch).
 
-In the step-3 loop the reward model scores token ids directly (:class:`chatrl.rewards.base.ModelReward`);
-here prompts and answers are texts, formatted and tokenized exactly as
-``python -m chatrl.step2_reward.score`` does (:func:`chatrl.step2_reward.score.encode_rows`).
+In the step-3 loop the reward model scores token ids directly (:class:`chatrl.rewards.base.ModelReward`).
+Behind a server it gets what the client sends (:class:`chatrl.rewards.base.RewardBatch`), in this
+order of preference, so that the served score equals the in-process one:
+
+1. ``token_ids``, when they read as ``formatted_texts`` with this model's tokenizer (the same
+   tokenizer as the actor's): exactly the ids the in-process model scores;
+2. ``formatted_texts``: the conversation as the actor saw it, chat markers and special tokens
+   kept, tokenized without adding any;
+3. (a client that sends neither) ``prompts`` and ``answers`` formatted and tokenized as
+   ``python -m chatrl.step2_reward.score`` does (:func:`chatrl.reward_model.encode_rows`); the
+   prompt's special tokens were removed, so a chat-template prompt is formatted anew.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import torch
 from chatrl.data.schema import Sample
 from chatrl.models import load_tokenizer
 from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
-from chatrl.rewards.base import RewardBatch, RewardError, check_scores
+from chatrl.rewards.base import RewardBatch, RewardError, check_scores, decode_exactly
 
 
 class TextRewardModel:
@@ -36,14 +44,37 @@ class TextRewardModel:
         self.model = load_reward_model(model_dir, self.tokenizer, dtype=dtype, require_head=True).to(self.device).eval()
         self.max_seq_len, self.batch_size, self.name = max_seq_len, batch_size, name
 
-    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+    def encode(self, batch: RewardBatch) -> list[list[int]]:
+        """The token ids to score for each row (module docstring: ids, formatted texts, or prompts and answers).
 
+        Raises:
+            RewardError: a sequence longer than ``max_seq_len`` (or an answer that alone does not fit).
+        """
+        if batch.formatted_texts is not None:
+            if batch.token_ids is not None and self.reads_alike(batch.token_ids, batch.formatted_texts):
+                seqs = [list(ids) for ids in batch.token_ids]
+            else:
+                seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in batch.formatted_texts]
+            for i, ids in enumerate(seqs):
+                if len(ids) > self.max_seq_len:
+                    raise RewardError(f"reward model: sequence {i} at step {batch.step} has {len(ids)} tokens, over "
+                                      f"max_seq_len={self.max_seq_len}")
+            return seqs
         samples = [Sample(prompt_messages(p), a) for p, a in zip(batch.prompts, batch.answers, strict=True)]
         encoded = encode_rows(self.tokenizer, samples, self.max_seq_len)
         for i, e in enumerate(encoded):
             if e is None:
                 raise RewardError(f"reward model: answer {i} at step {batch.step} does not fit "
                                   f"max_seq_len={self.max_seq_len} tokens")
-        scores = score_sequences(self.model, [e[0] for e in encoded], self.tokenizer.pad_token_id,
-                                 self.batch_size, self.device)
+        return [e[0] for e in encoded]
+
+    def reads_alike(self, token_ids: list[list[int]], texts: list[str]) -> bool:
+        """Whether every row's ids, decoded by this tokenizer with its special tokens, give the row's text."""
+        size = len(self.tokenizer)
+        return all((not ids or max(ids) < size) and decode_exactly(self.tokenizer, ids) == text
+                   for ids, text in zip(token_ids, texts, strict=True))
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        scores = score_sequences(self.model, self.encode(batch), self.tokenizer.pad_token_id, self.batch_size,
+                                 self.device)
         return check_scores(scores, len(batch), f"reward model (step {batch.step})")

@@ -245,3 +245,109 @@ def test_text_reward_model_scores_like_the_model(tiny_opt, tmp_path):
     assert got.tolist() == pytest.approx(expect, abs=1e-5)
     with pytest.raises(RewardError, match="answer 0 at step 0 does not fit max_seq_len=3"):
         TextRewardModel(str(tmp_path / "rm"), max_seq_len=3, device="cpu")(RewardBatch(["q"], ["a b c d e f"]))
+
+
+@pytest.fixture(scope="module")
+def qwen2_reward_model(tmp_path_factory, shared):
+    """A tiny reward model with the Qwen2 tokenizer (ChatML template) and a random head."""
+    from chatrl.models import load_tokenizer
+    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.tiny import TinySpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("qwen2_rm")
+    make_tiny_model("qwen2", root / "lm", TinySpec(hidden=32, layers=2, heads=2, ffn=64))
+    tok = load_tokenizer(str(root / "lm"))
+    rm = load_reward_model(str(root / "lm"), tok, require_head=False)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        rm.hf.score.weight.normal_(0.0, 1.0)
+    save_reward_model(rm, tok, root / "rm")
+    return root / "rm"
+
+
+def chatml_rollouts(tok):
+    """Step 3's rollouts as the trainer holds them: ChatML prompts left-padded, answers right-padded
+    through their stop token (one natural, one of arbitrary ids, one cut off without a stop token)."""
+    from chatrl.data import encode_answer
+    from chatrl.data.formatting import encode_prompts
+    from chatrl.generation import left_pad
+
+    prompts = encode_prompts(tok, [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+                                   [{"role": "user", "content": "Name a colour."}],
+                                   [{"role": "user", "content": "Say <|im_end|> please."}]])
+    g = torch.Generator().manual_seed(0)
+    answers = [encode_answer(tok, "It is 4."), torch.randint(0, len(tok) - 8, (9,), generator=g).tolist()
+               + [tok.convert_tokens_to_ids("<|im_end|>")], encode_answer(tok, "Blue, like the sky")[:3]]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    width = max(len(a) for a in answers)
+    ans = torch.full((3, width), tok.pad_token_id)
+    act = torch.zeros(3, width, dtype=torch.long)
+    for i, a in enumerate(answers):
+        ans[i, :len(a)], act[i, :len(a)] = torch.tensor(a), 1
+    return torch.cat([ids, ans], 1), torch.cat([mask, act], 1), act, ids.shape[1]
+
+
+def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_model):
+    """A reward model behind `python -m chatrl.reward_server` gives the score the in-process model
+    gives to step 3's rollouts (ChatML markers, a prompt with marker text, arbitrary ids, a cut answer);
+    before, prompts lost their markers on the way and were templated anew (another text, another score)."""
+    from chatrl.models import load_tokenizer
+    from chatrl.reward_model import load_reward_model
+    from chatrl.rewards import ModelReward, reward_batch_from_tokens
+    from chatrl.rewards.http import encode_request
+    from chatrl.rewards.model import TextRewardModel
+
+    rm_dir = str(qwen2_reward_model)
+    tok = load_tokenizer(rm_dir, padding_side="left")
+    rm = load_reward_model(rm_dir, tok, require_head=True).eval()
+    seq, mask, act, p = chatml_rollouts(tok)
+    with torch.no_grad():
+        in_process = ModelReward(lambda s, m, _: rm(s, m).end_scores)(
+            reward_batch_from_tokens(tok, seq, mask, act, p, step=2))
+    batch = reward_batch_from_tokens(tok, seq, mask, act, p, step=2)
+    assert batch.formatted_texts[0].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user")
+    assert batch.formatted_texts[0].endswith("<|im_start|>assistant\nIt is 4.<|im_end|>")
+    text_model = TextRewardModel(rm_dir, device="cpu")
+    legacy = text_model(RewardBatch(batch.prompts, batch.answers, step=2))  # what the server saw before
+    assert (legacy - in_process).abs().max() > 1e-3
+    texts_only = text_model(RewardBatch(batch.prompts, batch.answers, step=2, formatted_texts=batch.formatted_texts))
+    assert texts_only[0].item() == pytest.approx(in_process[0].item(), abs=1e-5)  # natural text tokenizes back alike
+
+    proc = subprocess.Popen([sys.executable, "-m", "chatrl.reward_server", "--reward_model", rm_dir, "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    try:
+        seen = []
+        for line in proc.stdout:  # model loading may print first
+            seen.append(line)
+            if line.startswith("serving on http://127.0.0.1:"):
+                break
+        assert seen and seen[-1].startswith("serving on"), "".join(seen)
+        url = seen[-1].split()[-1]
+        served = HttpReward(url, timeout=60, batch_size=2)(batch)
+        assert served.tolist() == pytest.approx(in_process.tolist(), abs=1e-5)
+        # an older client's request (no formatted_texts / token_ids) is still answered, as before
+        import urllib.request
+
+        old = json.loads(encode_request(batch))
+        del old["formatted_texts"], old["token_ids"]
+        req = urllib.request.Request(url, data=json.dumps(old).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert json.loads(resp.read())["scores"] == pytest.approx(legacy.tolist(), abs=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_request_carries_the_conversation_and_checks_the_new_fields():
+    from chatrl.rewards import decode_request, encode_request
+
+    b = RewardBatch(["q1", "q2"], ["a1", "a2"], step=5, formatted_texts=["<s>q1 a1</s>", "<s>q2 a2"],
+                    token_ids=[[1, 5, 6, 2], [1, 7, 8]])
+    back = decode_request(encode_request(b, 1, 2))
+    assert (back.prompts, back.formatted_texts, back.token_ids, back.step) == (["q2"], ["<s>q2 a2"], [[1, 7, 8]], 5)
+    body = json.loads(encode_request(b))
+    for field, bad, message in (("formatted_texts", [1, 2], "list of strings"), ("token_ids", [[1], [-1]], "non-negative"),
+                                ("token_ids", [[True], [1]], "non-negative"), ("formatted_texts", ["x"], "1 formatted_texts")):
+        with pytest.raises(ValueError, match=message):
+            decode_request(json.dumps({**body, field: bad}).encode())
