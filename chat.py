@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-                **sampling, repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer),
+                **sampling, repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer, model),
                 pad_token_id=tokenizer.pad_token_id, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()

@@ -52,7 +52,7 @@ def eos_rate(engine, prompts: Sequence[Sequence[int]], tokenizer, max_new_tokens
     per_rank = math.ceil(len(prompts) / info.world_size)
     batch = mine + [list(prompts[0][:1])] * (per_rank - len(mine))
     ids, mask = left_pad(batch, tokenizer.pad_token_id)
-    stops = stop_token_ids(tokenizer)
+    stops = stop_token_ids(tokenizer, engine)
     out = base_model(getattr(engine, "module", engine)).generate(
         input_ids=ids.to(info.device), attention_mask=mask.to(info.device), max_new_tokens=max_new_tokens,
         do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id,

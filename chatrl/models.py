@@ -79,7 +79,38 @@ def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bo
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise _load_error(path, "model/tokenizer", err) from err
+    setattr(tok, DECLARED_EOS_ATTR, declared_eos_ids(path, trust_remote_code))
     return prepare_tokenizer(tok, padding_side)
+
+
+#: Attribute of a tokenizer loaded by :func:`load_tokenizer` holding the stop ids its model folder declares.
+DECLARED_EOS_ATTR = "declared_eos_token_ids"
+
+
+def _ids(value) -> list[int]:
+    """An ``eos_token_id`` value (None, an int or a list of ints) as a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def declared_eos_ids(path: str, trust_remote_code: bool = False) -> list[int]:
+    """The ids a model folder (or hub name) declares as ending generation: its generation config's
+    ``eos_token_id`` (an id or a list; stories260K declares ``[2, 1]``: it ends a story with BOS),
+    then its config's. Empty when neither can be read (a tokenizer-only folder)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids: list[int] = []
+    for load in (lambda: GenerationConfig.from_pretrained(path),
+                 lambda: AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)):
+        try:
+            cfg = load()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        ids += _ids(getattr(cfg, "eos_token_id", None))
+    return list(dict.fromkeys(ids))
 
 
 def fit_embeddings(model, tokenizer) -> None:
@@ -87,8 +118,9 @@ def fit_embeddings(model, tokenizer) -> None:
 
     Only grows the matrix: a model whose vocabulary already covers the tokenizer keeps its size
     (OPT's checkpoints carry spare rows). ``config.pad_token_id`` is set to the tokenizer's pad id,
-    and the generation config's EOS ids to :func:`stop_token_ids` (so plain ``generate`` on the model,
-    and on its export, stops at the chat template's end-of-turn token too).
+    and the generation config's EOS ids to :func:`stop_token_ids` of the tokenizer and the model:
+    the end-of-turn token, the tokenizer's EOS and every id the model already declares (so plain
+    ``generate`` on the model, and on its export, stops where chatrl's generation stops).
     """
     need = len(tokenizer)
     have = model.get_input_embeddings().weight.shape[0]
@@ -97,8 +129,8 @@ def fit_embeddings(model, tokenizer) -> None:
     model.config.pad_token_id = tokenizer.pad_token_id
     gen = getattr(model, "generation_config", None)
     if gen is not None:
+        stops = stop_token_ids(tokenizer, model)
         gen.pad_token_id = tokenizer.pad_token_id
-        stops = stop_token_ids(tokenizer)
         gen.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
@@ -357,11 +389,24 @@ def end_of_turn_token_id(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def stop_token_ids(tokenizer) -> list[int]:
-    """Ids that end a generated answer: the end-of-turn token (:func:`end_of_turn_token_id`) first,
-    then the EOS when it differs. Generation, step 3's action mask and EOS metrics use all of them."""
-    eot = end_of_turn_token_id(tokenizer)
-    return [eot] if eot == tokenizer.eos_token_id else [eot, tokenizer.eos_token_id]
+def stop_token_ids(tokenizer, model=None) -> list[int]:
+    """Ids that end a generated answer, in this order: the end-of-turn token
+    (:func:`end_of_turn_token_id`), the tokenizer's EOS, then every id the model declares: the ids
+    its folder's generation config and config name as ``eos_token_id`` (recorded by
+    :func:`load_tokenizer`) and, with ``model``, those of its loaded ``generation_config`` and
+    ``config``. The pad id is never one of them.
+
+    Generation (step 3, the hybrid engine, chat, the web chat), step 3's action mask, the
+    ``--penalty_no_eos`` penalty, every "ended its turn" metric (step 3's ``eos_rate``, the EOS
+    checks of steps 1 and DPO) and the generation config of every export use this one set
+    (docs/tokenization.md, rule 3).
+    """
+    ids = [end_of_turn_token_id(tokenizer), tokenizer.eos_token_id, *getattr(tokenizer, DECLARED_EOS_ATTR, [])]
+    if model is not None:
+        hf = base_model(getattr(model, "module", model))
+        for cfg in (getattr(hf, "generation_config", None), getattr(hf, "config", None)):
+            ids += _ids(getattr(cfg, "eos_token_id", None)) if cfg is not None else []
+    return [i for i in dict.fromkeys(ids) if i is not None and i != tokenizer.pad_token_id]
 
 
 def sampling_settings(temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> dict:

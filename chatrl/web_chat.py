@@ -24,7 +24,7 @@ from pathlib import Path
 
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.models import load_tokenizer
+from chatrl.models import load_tokenizer, stop_token_ids
 
 ROLES = ("system", "user", "assistant")
 
@@ -44,6 +44,7 @@ class ChatModel:
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).to(device).eval()
         self.device = device
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model)  # the stop set of every chatrl generation
         self.context = getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length
         templated = uses_chat_template(self.tokenizer)
         self.stop = None if templated else [HUMAN_MARKER]
@@ -71,7 +72,7 @@ class ChatModel:
                                       "top_k": settings["top_k"]}
         kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
                       do_sample=not greedy, **sampling, repetition_penalty=settings["repetition_penalty"],
-                      eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                      eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id,
                       stop_strings=self.stop, tokenizer=self.tokenizer, streamer=streamer,
                       stopping_criteria=StoppingCriteriaList([Cancel()]))
 

@@ -22,7 +22,7 @@ def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_si
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.formatting import encode_prompt
-    from chatrl.models import load_tokenizer
+    from chatrl.models import load_tokenizer, stop_token_ids
     from chatrl.rewards.builtin import exact_match
 
     tok = load_tokenizer(model_dir, padding_side="left")
@@ -36,7 +36,7 @@ def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_si
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         with torch.no_grad():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                 do_sample=False, eos_token_id=stop_token_ids(tok, model), pad_token_id=tok.pad_token_id)
         answers = tok.batch_decode(out[:, width:], skip_special_tokens=True)
         hits += sum(exact_match([r["prompt"] for r in part], answers, [{"reference": r["reference"]} for r in part]))
     return hits / max(len(rows), 1)
