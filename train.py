@@ -130,21 +130,25 @@ def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: in
 
 def demo_plan(output: Path) -> tuple[str, str, Presets]:
     """The offline demo: stories260K (a real pretrained tiny Llama) as actor and reward backbone, real
-    hh-rlhf + Alpaca data from ../shared, 2 CPU ranks, actor under ZeRO-3 with the hybrid engine."""
+    hh-rlhf + Alpaca data from ../shared, 2 CPU ranks, actor under ZeRO-3 with the hybrid engine.
+
+    Warm-ups are fractions of each step's run (10 of step 1's 114 steps, 10 of step 2's 91, 5 of step
+    3's 40), so that a shortened demo (``--step3-args "--max_steps 3"``) still fits; intervals longer
+    than a shortened run simply do not fire."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
     common = {"data_path": data, "data_split": "2,4,4", "data_output_path": output / "data_cache"}
     step1 = {**common, "data_path": [*data, str(SHARED / "data" / "alpaca-instructions")], "zero_stage": 3,
-             "max_seq_len": 256, "per_device_train_batch_size": 16, "learning_rate": "2e-3", "num_warmup_steps": 10,
+             "max_seq_len": 256, "per_device_train_batch_size": 16, "learning_rate": "2e-3", "num_warmup_steps": 0.08,
              "num_train_epochs": 2, "eval_interval": 50, "eval_eos_samples": 32, "save_interval": 25}
     step2 = {**common, "zero_stage": 3, "max_seq_len": 256, "per_device_train_batch_size": 8,
-             "learning_rate": "2e-3", "num_warmup_steps": 10, "num_train_epochs": 1, "eval_interval": 50,
+             "learning_rate": "2e-3", "num_warmup_steps": 0.1, "num_train_epochs": 1, "eval_interval": 50,
              "save_interval": 25}
     step3 = {**common, "actor_zero_stage": 3, "critic_zero_stage": 3, "enable_hybrid_engine": True,
              "max_prompt_seq_len": 128, "max_answer_seq_len": 48, "per_device_generation_batch_size": 16,
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
-             "num_warmup_steps": 5, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
-             "print_answers_interval": 10, "save_interval": 10}
+             "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
+             "save_interval": 10}
     return model, model, {1: step1, 2: step2, 3: step3}
 
 
@@ -397,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     if skip2:
         print(skip2, flush=True)
     modules, names, parsers = dict(STEP_MODULES), dict(STEP_NAMES), step_parsers()
+    names[3] = f"RLHF, {settings.rl.rl_algorithm}"  # step 3 names its algorithm in every message
     if a.step2_method == "dpo":
         steps = dpo_plan(out, presets, dirs, models, steps)
         modules[2], names[2], parsers[2] = "chatrl.step2_dpo", "direct preference optimisation", parsers["dpo"]

@@ -218,6 +218,6 @@ def check_rows(rows: list[dict], thresholds: Thresholds | None = None) -> list[A
 
 
 def format_alert(alert: Alert, stage: str = "") -> str:
-    """The console line of an alert: ``chatrl alert [step 3 PPO, step 17] eos_collapse: …``."""
+    """The console line of an alert: ``chatrl alert [step 3 grpo, step 17] eos_collapse: …``."""
     where = f"{stage}, step {alert.step}" if stage else f"step {alert.step}"
     return f"chatrl alert [{where}] {alert.rule}: {alert.message} (docs/report.md)"

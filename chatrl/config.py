@@ -142,7 +142,11 @@ class OptimConfig:
     lr_scheduler_type: str = setting("cosine", "learning-rate schedule (transformers.get_scheduler)",
                                      choices=("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                                               "constant_with_warmup"))
-    num_warmup_steps: int = setting(0, "linear warm-up of the learning rate", unit="optimizer steps")
+    num_warmup_steps: float | None = setting(
+        None, "linear warm-up of the learning rate: a whole number of optimizer steps, or a fraction of the run "
+              "below 1 (0.1: its first tenth). Unset: the program's default (0; step 3: DeepSpeed-Chat's 100), cut "
+              "to a tenth of a shorter run, with a note (chatrl.sizes.warmup_steps)", unit="optimizer steps",
+        type=float)
     gradient_clipping: float = setting(1.0, "global gradient-norm clip (0: off)")
     seed: int = setting(1234, "seed of data order, splits and initialisation")
 
@@ -195,7 +199,9 @@ class RolloutConfig:
     per_device_generation_batch_size: int = setting(4, "prompts per rank per generation", unit="prompts")
     generation_batches: int = setting(1, "generation batches per experience buffer")
     print_answers: bool = setting(False, "print a prompt and its answer every --print_answers_interval steps")
-    print_answers_interval: int = setting(10, "steps between the rollouts recorded in logs/samples.jsonl (and printed with --print_answers)", unit="steps")
+    print_answers_interval: int | None = setting(None, "steps between the rollouts recorded in logs/samples.jsonl "
+                                                       "(and printed with --print_answers); unset: 10, or a quarter "
+                                                       "of a shorter run", unit="steps", type=int)
 
 
 @dataclass
@@ -210,7 +216,8 @@ class PPOConfig:
     kl_ctl: str = setting("fixed", "KL coefficient controller (adaptive: Ziegler et al. 2019)",
                           choices=("fixed", "adaptive"))
     kl_target: float = setting(6.0, "adaptive controller's target KL", unit="nats per answer")
-    kl_horizon: float = setting(10000.0, "adaptive controller's horizon", unit="rollouts")
+    kl_horizon: float | None = setting(None, "adaptive controller's horizon (unset: 10000, or the run's rollouts "
+                                             "when fewer)", unit="rollouts", type=float)
     kl_estimator: str = setting("k1", "per-token KL estimator (Schulman's k1/k3, |log r|, squared)",
                                 choices=("k1", "k3", "abs", "mse"))
     clip_reward_value: float = setting(5.0, "scores are clipped to +-this before the KL penalty")

@@ -23,6 +23,7 @@ import html
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,10 @@ def _load_step(folder: Path, output_dir: Path) -> StepRun:
             lines = [x[2:] for x in log.read_text(encoding="utf-8", errors="replace").splitlines() if x.startswith("$ ")]
             command = lines[-1] if lines else None
             break
+    if folder.name == "step3_rlhf":  # step 3 names its algorithm (the run marker's flags, else the command's)
+        algorithm = ((marker or {}).get("args") or {}).get("rl_algorithm")
+        found = re.search(r"--rl[_-]algorithm[= ](\S+)", command or "")
+        title = f"{title} ({algorithm or (found.group(1) if found else 'ppo')})"
     rows = read_metrics(folder / METRICS_FILE)
     run = StepRun(folder, number, title, rows, read_metrics(folder / SAMPLES_FILE), marker, command,
                   starts=_resume_starts(folder, rows))

@@ -5,10 +5,17 @@ length of a step-1/2 run in optimizer steps (:func:`plan_steps` → :class:`Step
 size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`). A training loop reads its plan and
 never re-derives a count; a size that does not fit raises ``ValueError`` here, naming the flags
 and a fix, before any model is loaded. Pure arithmetic: no DeepSpeed, no model.
+
+Settings whose default depends on the run's length are unset (``None``) in their blocks, and the
+plan computes their effective value: the warm-up (:func:`warmup_steps`), step 3's KL horizon and
+its report sampling (``--print_answers_interval``). A default that does not fit a short run
+adapts, and the plan's ``notes`` say so (the program prints them once); only a value the user
+gave is refused.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from chatrl.rl.algorithms import Algorithm
@@ -44,24 +51,35 @@ class BatchSizes:
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
 
+#: Step 3's warm-up when ``--num_warmup_steps`` is unset: DeepSpeed-Chat's step-3 default.
+PPO_WARMUP_STEPS = 100
+#: Step 3's adaptive-KL horizon when ``--kl_horizon`` is unset (Ziegler et al., 2019), in rollouts.
+KL_HORIZON = 10000.0
+#: Steps between the rollouts step 3 records for the report when ``--print_answers_interval`` is unset.
+PRINT_ANSWERS_INTERVAL = 10
+
+
 @dataclass(frozen=True)
 class StepPlan:
-    """The length of a step-1/2 run in optimizer steps, derived and checked by :func:`plan_steps`."""
+    """The length of a step-1/2 run in optimizer steps, derived and checked by :func:`plan_steps`.
+    ``notes``: what adapted to the run (print once)."""
 
     steps_per_epoch: int
     total_steps: int
     num_warmup_steps: int
+    notes: tuple[str, ...] = ()
 
 
 def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epochs: int, max_steps: int,
-               num_warmup_steps: int, what: str = "samples") -> StepPlan:
+               num_warmup_steps: float | None, what: str = "samples", default_warmup: int = 0) -> StepPlan:
     """Optimizer steps of steps 1-2: ``n_batches`` micro-batches per rank and epoch (a loader's
     length), ``batch.gradient_accumulation_steps`` per step; the epoch's trailing partial step is
-    dropped. ``max_steps`` (> 0) caps the total.
+    dropped. ``max_steps`` (> 0) caps the total. The warm-up is :func:`warmup_steps` of
+    ``num_warmup_steps`` (None: ``default_warmup``, adapted to a short run).
 
     Raises:
-        ValueError: no full optimizer step per epoch, or a warm-up not shorter than the run (naming
-            the flags and a fix).
+        ValueError: no full optimizer step per epoch, or a given warm-up that does not fit the run
+            (naming the flags and a fix).
     """
     steps_per_epoch = n_batches // batch.gradient_accumulation_steps
     if steps_per_epoch == 0:
@@ -70,14 +88,38 @@ def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epoc
     total = steps_per_epoch * num_train_epochs
     if max_steps:
         total = min(total, max_steps)
-    _check_warmup(num_warmup_steps, total, "optimizer steps")
-    return StepPlan(steps_per_epoch, total, num_warmup_steps)
+    warmup, note = warmup_steps(num_warmup_steps, default_warmup, total, "optimizer steps")
+    return StepPlan(steps_per_epoch, total, warmup, (note,) if note else ())
 
 
-def _check_warmup(num_warmup_steps: int, total: int, unit: str) -> None:
-    if num_warmup_steps < 0 or (num_warmup_steps and num_warmup_steps >= total):
-        raise ValueError(f"--num_warmup_steps {num_warmup_steps} must be >= 0 and shorter than the run "
-                         f"({total} {unit}); lower --num_warmup_steps or train longer (--num_train_epochs, --max_steps)")
+def warmup_steps(given: float | None, default: int, total: int, unit: str) -> tuple[int, str | None]:
+    """The warm-up of a ``total``-step run (in ``unit``) and a note when a default adapted.
+
+    ``given`` is ``--num_warmup_steps``: a whole number of steps, or a fraction of the run below 1
+    (``ceil(fraction × total)``, at most ``total - 1``; transformers' ``warmup_ratio``). Unset
+    (None), the program's ``default`` is cut to a tenth of a shorter run (rounded down), and the
+    note says so.
+
+    Raises:
+        ValueError: a given warm-up that is negative, a non-whole number of steps above 1, or not
+            shorter than the run; the message names the flag and a fix.
+    """
+    if given is None:
+        if default <= total // 10:
+            return default, None
+        used = total // 10
+        return used, (f"--num_warmup_steps unset: the default {default} is longer than a tenth of this run "
+                      f"({total} {unit}); using {used}. Set it to choose another")
+    if given < 0 or (given >= 1 and given != int(given)):
+        raise ValueError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a fraction "
+                         "of the run below 1, e.g. 0.1)")
+    if given < 1:
+        return (min(math.ceil(given * total), total - 1) if given else 0), None
+    if given >= total:
+        raise ValueError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); lower "
+                         "--num_warmup_steps (or give a fraction of the run, e.g. 0.1) or train longer "
+                         "(--num_train_epochs, --max_steps)")
+    return int(given), None
 
 
 @dataclass(frozen=True)
@@ -99,13 +141,17 @@ class PPOPlan:
     actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
     num_warmup_steps: int
     layout: dict  # which rollouts each rank makes at each step, by flag (recorded in checkpoints)
+    kl_horizon: float = KL_HORIZON  # the adaptive KL controller's horizon (rollouts)
+    print_answers_interval: int = PRINT_ANSWERS_INTERVAL  # steps between recorded rollouts
+    notes: tuple[str, ...] = ()  # what adapted to the run (print once)
 
 
 def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
              per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
-             gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: int,
+             gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: float | None,
              ptx: bool, algorithm: Algorithm, num_samples_per_prompt: int = 1,
-             loss_agg_mode: str = "micro-batch-token-mean") -> PPOPlan:
+             loss_agg_mode: str = "micro-batch-token-mean", kl_horizon: float | None = None,
+             adaptive_kl: bool = False, print_answers_interval: int | None = None) -> PPOPlan:
     """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
 
     Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
@@ -121,19 +167,29 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     ``loss_agg_mode`` an actor step must then hold one micro-batch (no accumulation), so that its
     policy micro-batches are the ones its normaliser counts.
 
+    Defaults that depend on the run's length (unset: None) adapt to it, with a note each: the
+    warm-up (:data:`PPO_WARMUP_STEPS`, :func:`warmup_steps`, counted in the policy's optimizer
+    steps), the adaptive KL controller's horizon (:data:`KL_HORIZON` rollouts, or the run's rollouts
+    when fewer; noted with ``adaptive_kl``) and the report's sampling interval
+    (:data:`PRINT_ANSWERS_INTERVAL` steps, or a quarter of a shorter run).
+
     Raises:
         ValueError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
             generation batch not made of whole micro-batches; a buffer not made of whole optimizer
-            steps), no full buffer per epoch, or a warm-up not shorter than the run; the message
-            names the flags and a fix.
+            steps), no full buffer per epoch, a given warm-up that does not fit the run, a
+            ``kl_horizon`` <= 0 or a ``print_answers_interval`` < 1; the message names the flags
+            and a fix.
     """
     for flag, v in (("per_device_generation_batch_size", per_device_generation_batch_size),
                     ("per_device_training_batch_size", per_device_training_batch_size),
                     ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
-                    ("num_train_epochs", num_train_epochs), ("num_samples_per_prompt", num_samples_per_prompt)):
+                    ("num_train_epochs", num_train_epochs), ("num_samples_per_prompt", num_samples_per_prompt),
+                    ("print_answers_interval", 1 if print_answers_interval is None else print_answers_interval)):
         if v < 1:
             raise ValueError(f"--{flag} must be >= 1, got {v}")
+    if kl_horizon is not None and not kl_horizon > 0:
+        raise ValueError(f"--kl_horizon must be > 0 rollouts, got {kl_horizon}")
     if num_samples_per_prompt < algorithm.min_samples_per_prompt:
         raise ValueError(f"--rl_algorithm {algorithm.name} needs --num_samples_per_prompt >= "
                          f"{algorithm.min_samples_per_prompt} (a group of one answer has no baseline), got "
@@ -145,7 +201,8 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                    if num_samples_per_prompt > 1 else "")
         raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
                          f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
-                         "batch must split into whole PPO micro-batches; make the generation batch a multiple of the "
+                         "batch must split into whole training micro-batches; make the generation batch a multiple "
+                         "of the "
                          "training one")
     micro_per_gen = per_generation // per_device_training_batch_size
     micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
@@ -157,7 +214,7 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                          "choose a divisor")
     if micro_per_buffer % gradient_accumulation_steps:
         raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
-                         f"{micro_per_buffer} PPO micro-batches of an experience buffer (--generation_batches "
+                         f"{micro_per_buffer} training micro-batches of an experience buffer (--generation_batches "
                          f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
                          "generation batch): an optimizer step would straddle two buffers; choose a divisor")
     if ptx and global_mode and gradient_accumulation_steps > 1:
@@ -176,10 +233,24 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     policy_steps = total * micro_per_buffer // gradient_accumulation_steps
     actor_steps = policy_steps * (2 if ptx else 1)
     critic_steps = policy_steps if algorithm.needs_critic else 0
-    _check_warmup(num_warmup_steps, policy_steps,
-                  "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
+    warmup, note = warmup_steps(num_warmup_steps, PPO_WARMUP_STEPS, policy_steps,
+                                "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
+    notes = [note] if note else []
+    rollouts_per_buffer = generation_batches * per_generation * world_size
+    horizon = kl_horizon
+    if horizon is None:
+        horizon = min(KL_HORIZON, float(total * rollouts_per_buffer))
+        if adaptive_kl and horizon < KL_HORIZON:
+            notes.append(f"--kl_horizon unset: the default {KL_HORIZON:g} rollouts is longer than this run "
+                         f"({total} steps of {rollouts_per_buffer} rollouts); using {horizon:g}")
+    interval = print_answers_interval
+    if interval is None:
+        interval = max(1, min(PRINT_ANSWERS_INTERVAL, total // 4))
+        if interval < PRINT_ANSWERS_INTERVAL:
+            notes.append(f"--print_answers_interval unset: a rollout is recorded every {interval} step(s) of this "
+                         f"{total}-step run (default {PRINT_ANSWERS_INTERVAL})")
     layout = {"world_size": world_size, "gradient_accumulation_steps": gradient_accumulation_steps,
               "per_device_generation_batch_size": per_device_generation_batch_size,
               "generation_batches": generation_batches, "per_device_training_batch_size": per_device_training_batch_size}
-    return PPOPlan(buffers_per_epoch, total, generation_batches * per_generation * world_size,
-                   micro_per_gen, micro_per_buffer, critic_steps, actor_steps, num_warmup_steps, layout)
+    return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer, critic_steps,
+                   actor_steps, warmup, layout, horizon, interval, tuple(notes))

@@ -187,6 +187,8 @@ def run(argv: list[str] | None = None) -> dict:
                   f"{len(train_pairs)} pairs, {total_steps} optimizer steps of global batch {batch.global_batch} "
                   f"pairs ({info.world_size} ranks × {batch.per_device_batch} × {batch.gradient_accumulation_steps} "
                   f"accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}, reference: {reference.kind}")
+    for note in plan.notes:  # defaults that adapted to a short run, said once
+        tracker.write(note)
     if s.reference.precompute_ref_log_probs and reference.kind != "none":
         t_ref = time.time()
         for split, pairs in (("train", train_pairs), ("eval", eval_pairs)):

@@ -147,6 +147,8 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
+    for note in plan.notes:  # defaults that adapted to a short run, said once
+        tracker.write(note)
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
     step, resumed = 0, ckpt.resume()
     if resumed:

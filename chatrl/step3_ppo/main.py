@@ -155,7 +155,8 @@ def build(args, score_fn=None) -> Step3Run:
                     s.actor_optim.gradient_accumulation_steps, s.actor_optim.num_train_epochs,
                     s.actor_optim.max_steps, s.actor_optim.num_warmup_steps, ptx=bool(s.data.unsupervised_dataset_name),
                     algorithm=algorithm, num_samples_per_prompt=s.ppo.samples_per_prompt,
-                    loss_agg_mode=s.ppo.loss_aggregation)
+                    loss_agg_mode=s.ppo.loss_aggregation, kl_horizon=s.ppo.kl_horizon,
+                    adaptive_kl=s.ppo.kl_ctl == "adaptive", print_answers_interval=rollout.print_answers_interval)
     ptx_iter = None
     if s.data.unsupervised_dataset_name:
         unsup = phase_data(1, s.data, tokenizer, seed, data_paths=s.data.unsupervised_dataset_name,
@@ -169,7 +170,7 @@ def build(args, score_fn=None) -> Step3Run:
     engines = build_engines(s, tokenizer, info, plan, reward_path)
     seed_rollouts(seed, info.rank)  # per-rank sampling: ranks given the same prompt answer differently
     hybrid, generate = make_generate(engines.actor, s, tokenizer)
-    kl_ctl = (core.AdaptiveKLController(s.ppo.init_kl_coef, s.ppo.kl_target, s.ppo.kl_horizon)
+    kl_ctl = (core.AdaptiveKLController(s.ppo.init_kl_coef, s.ppo.kl_target, plan.kl_horizon)
               if s.ppo.kl_ctl == "adaptive" else core.FixedKLController(s.ppo.init_kl_coef))
     reward = make_reward(s, engines.reward, score_fn)
     several = info.world_size > 1
@@ -189,6 +190,8 @@ def build(args, score_fn=None) -> Step3Run:
                   f"ZeRO-{s.actor_zero.zero_stage}, hybrid engine {'on' if s.hybrid.enable_hybrid_engine else 'off'}; "
                   f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
                   + (f" (reward model {reward_path})" if reward_path else ""))
+    for note in plan.notes:  # defaults that adapted to a short run, said once
+        tracker.write(note)
     trained = {"actor": engines.actor, **({"critic": engines.critic} if engines.critic is not None else {})}
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, trained, plan.layout,
                            {"actor_ema": engines.ema.module} if engines.ema is not None else None)
@@ -259,7 +262,7 @@ def train(run: Step3Run) -> dict:
             if step % s.log.log_interval == 0 or step == total_buffers:
                 tracker.log(metrics, step)
             tracker.advance()
-            if step % s.rollout.print_answers_interval == 0 or step == 1:  # one rollout for the report (and console)
+            if step % plan.print_answers_interval == 0 or step == 1:  # one rollout for the report (and console)
                 p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
                 a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
                 tracker.sample(step, tokenizer.decode(p, skip_special_tokens=True),

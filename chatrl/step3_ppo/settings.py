@@ -35,7 +35,7 @@ class Step3Settings:
                                                              "unsupervised_dataset_name"))
     rollout: config.RolloutConfig = uses(config.RolloutConfig)
     actor_optim: config.OptimConfig = uses(config.OptimConfig, prefix="actor_",
-                                           defaults={"learning_rate": 9.65e-6, "num_warmup_steps": 100})
+                                           defaults={"learning_rate": 9.65e-6})
     critic_optim: config.OptimConfig = uses(config.OptimConfig, prefix="critic_", defaults={"learning_rate": 5e-6})
     ppo: config.PPOConfig = uses(config.PPOConfig)
     sampling: config.SamplingConfig = uses(config.SamplingConfig)

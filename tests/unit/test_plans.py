@@ -28,10 +28,15 @@ def test_ppo_plan_counts():
 @pytest.mark.parametrize("kw, says", [
     (dict(per_device_generation_batch_size=5), "--per_device_generation_batch_size 5 is not a multiple of "
                                                "--per_device_training_batch_size 2"),
-    (dict(gradient_accumulation_steps=3), "--gradient_accumulation_steps 3 does not divide the 8 PPO micro-batches"),
+    (dict(gradient_accumulation_steps=3), "--gradient_accumulation_steps 3 does not divide the 8 training "
+                                          "micro-batches"),
     (dict(n_generation_batches=1), "lower --per_device_generation_batch_size or --generation_batches"),
-    (dict(num_warmup_steps=120), "--num_warmup_steps 120 must be >= 0 and shorter than the run (120 critic"),
+    (dict(num_warmup_steps=120), "--num_warmup_steps 120 must be shorter than the run (120 critic optimizer steps)"),
+    (dict(num_warmup_steps=-1), "--num_warmup_steps -1 must be >= 0"),
+    (dict(num_warmup_steps=2.5), "--num_warmup_steps 2.5 must be >= 0 and a whole number of steps"),
     (dict(ppo_epochs=0), "--ppo_epochs must be >= 1"),
+    (dict(print_answers_interval=0), "--print_answers_interval must be >= 1, got 0"),
+    (dict(kl_horizon=0.0), "--kl_horizon must be > 0 rollouts"),
 ])
 def test_ppo_plan_errors_name_the_flags(kw, says):
     with pytest.raises(ValueError) as err:
@@ -46,5 +51,40 @@ def test_step_plan_counts_and_errors():
     assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 5, 0).total_steps == 5
     with pytest.raises(ValueError, match="lower --per_device_train_batch_size or --gradient_accumulation_steps"):
         plan_steps(1, 4, BatchSizes(4, 2, 1), 1, 0, 0)
-    with pytest.raises(ValueError, match="--num_warmup_steps 24 must be >= 0 and shorter than the run"):
+    with pytest.raises(ValueError, match="--num_warmup_steps 24 must be shorter than the run"):
         plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 0, 24)
+
+
+def test_run_length_defaults_adapt_to_a_short_run_and_say_so_once():
+    """`--max_steps 3` with step 3's defaults: DeepSpeed-Chat's 100 warm-up steps used to refuse the run
+    (`--num_warmup_steps 100 must be >= 0 and shorter than the run (3 critic optimizer steps)`). Unset,
+    every run-length default adapts with one note each; a value the user gives is kept or refused."""
+    for algorithm, unit in (("ppo", "critic"), ("grpo", "actor")):
+        short = ppo(max_steps=3, num_warmup_steps=None, generation_batches=1, ppo_epochs=1,
+                    algorithm=algorithms.get(algorithm), num_samples_per_prompt=1 if algorithm == "ppo" else 2,
+                    kl_horizon=None, adaptive_kl=True)
+        steps = 3 * (2 if algorithm == "ppo" else 4)  # micro-batches per buffer: 4 prompts (x 2 answers) / 2
+        assert (short.total_buffers, short.num_warmup_steps, short.print_answers_interval) == (3, steps // 10, 1)
+        assert short.kl_horizon == 3 * short.rollouts_per_buffer
+        assert short.notes == (
+            f"--num_warmup_steps unset: the default 100 is longer than a tenth of this run ({steps} {unit} optimizer "
+            f"steps); using {steps // 10}. Set it to choose another",
+            f"--kl_horizon unset: the default 10000 rollouts is longer than this run (3 steps of "
+            f"{short.rollouts_per_buffer} rollouts); using {short.kl_horizon:g}",
+            "--print_answers_interval unset: a rollout is recorded every 1 step(s) of this 3-step run (default 10)")
+    assert ppo(max_steps=3, num_warmup_steps=None, kl_horizon=None).notes[1:] == (
+        "--print_answers_interval unset: a rollout is recorded every 1 step(s) of this 3-step run (default 10)",)
+    # long enough: the defaults as before, and nothing to say
+    long = ppo(n_generation_batches=4000, num_warmup_steps=None, kl_horizon=None, adaptive_kl=True)
+    assert (long.num_warmup_steps, long.kl_horizon, long.print_answers_interval, long.notes) == (100, 10000, 10, ())
+    assert ppo(n_generation_batches=200, max_steps=100, num_warmup_steps=None).num_warmup_steps == 80  # 800 steps / 10
+    # given values: kept when they fit (a fraction of the run too), refused otherwise
+    given = ppo(max_steps=3, num_warmup_steps=2, kl_horizon=50.0, adaptive_kl=True, print_answers_interval=7)
+    assert (given.num_warmup_steps, given.kl_horizon, given.print_answers_interval, given.notes) == (2, 50.0, 7, ())
+    assert ppo(max_steps=3, num_warmup_steps=0.125).num_warmup_steps == 3  # ceil(0.125 x 24)
+    with pytest.raises(ValueError, match=r"--num_warmup_steps 100 must be shorter than the run \(24 critic"):
+        ppo(max_steps=3, num_warmup_steps=100)
+    # steps 1-2 and DPO: the default 0 always fits; a fraction gives transformers' ceil(ratio x steps)
+    assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 3, None).notes == ()
+    assert plan_steps(114, 1, BatchSizes(1, 1, 1), 1, 0, 0.08).num_warmup_steps == 10
+    assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 3, None, default_warmup=5).num_warmup_steps == 0
