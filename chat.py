@@ -58,7 +58,7 @@ class WebChatConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config.new_parser(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_block(p, ChatConfig)
     config.add_block(p, config.SamplingConfig, defaults={"temperature": 0.7, "top_p": 0.9})
     config.add_block(p, config.ModelConfig, only=("trust_remote_code",))

@@ -36,11 +36,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import config, multinode
+from chatrl import cli, config, multinode
 from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
 from chatrl.config import setting, to_argv, uses
 from chatrl.dist import free_port
+from chatrl.errors import UsageError
 from chatrl.report import report_note
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
@@ -159,20 +160,21 @@ class PipelineConfig:
     preset: str | None = setting(None, "demo: the offline end-to-end run on this machine (2 CPU ranks)",
                                  choices=("demo",), type=str)
     actor_model: str | None = setting(None, "hub name, short name (opt-1.3b, opt-13b, llama2-7b) or local folder",
-                                      type=str)
-    reward_model: str | None = setting(None, "as --actor-model; the reward model's and critic's backbone", type=str)
+                                      type=str, path="model")
+    reward_model: str | None = setting(None, "as --actor-model; the reward model's and critic's backbone", type=str,
+                                       path="model")
     deployment_type: str = setting("single_gpu", "where it runs; sizes the presets",
                                    choices=("single_gpu", "single_node", "multi_node", "cpu"))
     step: list = setting([1, 2, 3], "steps to run, in order", nargs="+", choices=(1, 2, 3), type=int)
-    output_dir: str = setting(str(REPO / "output"), "where every step writes")
+    output_dir: str = setting(str(REPO / "output"), "where every step writes", path="file")
     data_path: list | None = setting(None, "data sets for all steps (default: DeepSpeed-Chat's four)", nargs="+",
-                                     type=str)
+                                     type=str, path="data")
     actor_zero_stage: int | None = setting(None, "ZeRO stage of steps 1 and 3's actor (default: by size)",
                                            choices=(0, 1, 2, 3), type=int)
     reward_zero_stage: int | None = setting(None, "ZeRO stage of step 2 and step 3's critic (default: by size)",
                                             choices=(0, 1, 2, 3), type=int)
     num_gpus: int | None = setting(None, "GPUs per node (default: all the launcher sees)", type=int)
-    hostfile: str = setting("/job/hostfile", "DeepSpeed hostfile for --deployment-type multi_node")
+    hostfile: str = setting("/job/hostfile", "DeepSpeed hostfile for --deployment-type multi_node", path="file")
     master_port: int | None = setting(None, "launcher port (default: a free one on single-node runs, 29500 across "
                                             "nodes)", type=int)
     node_rank: int | None = setting(None, "multi_node without ssh: start only this node of the hostfile (run train.py "
@@ -181,7 +183,8 @@ class PipelineConfig:
     master_addr: str | None = setting(None, "multi_node: address of the node running global rank 0 (default: the "
                                             "hostfile's first host)", type=str)
     overwrite: bool = setting(False, "redo steps whose output already holds a finished run")
-    step1_args: str = setting("", "extra flags for step 1, as one quoted string")
+    step1_args: str = setting("", "extra flags for step 1, as one quoted string (local paths in them are read from "
+                                  "the folder train.py is run from)")
     step2_args: str = setting("", "extra flags for step 2, as one quoted string")
     step3_args: str = setting("", "extra flags for step 3, as one quoted string")
     step2_method: str = setting("reward", "reward: step 2 trains a reward model for step 3's PPO; dpo: step 2 is "
@@ -335,16 +338,19 @@ def _last_logged_step(step_dir: Path) -> int | None:
 
 _RANK_EXIT = re.compile(r"--local_rank=(\d+).*exits with return code = (-?\d+)")
 _RANK_FAILED = re.compile(r"^chatrl: rank \d+ failed .*")
+# a usage error of a step program (argparse's line, or a UsageError): the cause, printed by rank 0
+_USAGE_ERROR = re.compile(r"^(?:python -m chatrl\.[\w.]+|chatrl): error: .*")
 
 
 def _failure_lines(line: str) -> list[str]:
-    """What a step's output says about a failing rank: the launcher's exit line or chatrl's own report."""
+    """What a step's output says about a failing rank: the launcher's exit line, chatrl's own report
+    or a usage error (the cause, which the pipeline's last lines repeat)."""
     m = _RANK_EXIT.search(line)
     if m:
         code = int(m.group(2))
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return [f"local rank {m.group(1)} {how}"]
-    m = _RANK_FAILED.search(line.strip())
+    m = _RANK_FAILED.search(line.strip()) or _USAGE_ERROR.search(line.strip())
     if not m:
         return []
     text = m.group(0)
@@ -360,11 +366,68 @@ def _worth_showing(line: str) -> bool:
     return not _NOISE.search(line)
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclass
+class StepRun:
+    """One step of a planned pipeline: its program and its whole command line (flags checked)."""
+
+    step: int
+    name: str
+    module: str
+    out_dir: Path
+    argv: list[str]  # the program's flags: presets, then --stepN-args (local paths absolute)
+    finished: bool  # its output holds a finished run and --overwrite is off: skipped
+
+
+@dataclass
+class Pipeline:
+    """What :func:`plan` decides before anything runs."""
+
+    settings: PipelineSettings
+    out: Path
+    launcher: list[str]
+    env: dict
+    nodes: tuple | None
+    dirs: dict
+    runs: list[StepRun]
+    messages: list[str]  # printed before the first step
+    step3_needs: tuple[int, ...] = (1, 2)  # the steps whose output step 3 reads
+
+
+def check_step_flags(step: int, name: str, parser, argv: list[str]) -> None:
+    """Parse a step's whole command line with its own parser before anything is launched, so that a
+    bad or misspelt flag in ``--stepN-args`` (no abbreviations) or a missing local data path stops
+    train.py at once with one line naming the step.
+
+    Raises:
+        SystemExit: naming the step and the parser's message.
+    """
+    parser.raise_errors = True
+    try:
+        cli.parse(parser, argv)
+    except UsageError as e:
+        raise SystemExit(f"train.py: step {step} ({name}) flags: {e}") from None
+    finally:
+        parser.raise_errors = False
+
+
+def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) -> Pipeline:
+    """train.py's whole plan from its command line, nothing launched: the steps, their programs and
+    checked command lines, the launcher.
+
+    Every local path the user gives (``--data-path`` entries with their row slices, ``--reward-fn``
+    files, ``--hostfile``, model folders, ``--output-dir``, and the path flags inside ``--stepN-args``)
+    is made absolute against ``cwd`` (the caller's folder; the steps run from the repository); hub
+    names and module specs are left alone (:func:`chatrl.cli.resolve_path`).
+
+    Raises:
+        SystemExit: a bad combination of flags, a missing demo asset, or a step's command line its
+            parser refuses (naming the step).
+    """
+    cwd = Path.cwd() if cwd is None else Path(cwd)
     parser = build_parser()
     known = {x.dest for x in parser._actions}
-    settings: PipelineSettings = config.read(
-        PipelineSettings, parser.parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv), known)))
+    raw = cli.resolve_argv(normalize_argv(sys.argv[1:] if argv is None else list(argv), known), parser, cwd)
+    settings: PipelineSettings = config.read(PipelineSettings, parser.parse_args(raw))
     a = settings.pipeline
     out = Path(a.output_dir).resolve()
     steps, rl_flags, skip2 = plan_pipeline(settings)
@@ -396,37 +459,55 @@ def main(argv: list[str] | None = None) -> None:
     models = {1: {"model_name_or_path": actor}, 2: {"model_name_or_path": reward},
               3: {"actor_model_name_or_path": str(dirs[1]),
                   "critic_model_name_or_path": None if skip2 else str(dirs[2]), **rl_flags}}
-    print(f"train.py: steps {steps} → {out} ({deployment}; actor {actor}; "
-          f"{'reward ' + reward if not skip2 else 'step 3 ' + settings.rl.rl_algorithm})", flush=True)
+    messages = [f"train.py: steps {steps} → {out} ({deployment}; actor {actor}; "
+                f"{'reward ' + reward if not skip2 else 'step 3 ' + settings.rl.rl_algorithm})"]
     if skip2:
-        print(skip2, flush=True)
+        messages.append(skip2)
     modules, names, parsers = dict(STEP_MODULES), dict(STEP_NAMES), step_parsers()
     names[3] = f"RLHF, {settings.rl.rl_algorithm}"  # step 3 names its algorithm in every message
     if a.step2_method == "dpo":
         steps = dpo_plan(out, presets, dirs, models, steps)
         modules[2], names[2], parsers[2] = "chatrl.step2_dpo", "direct preference optimisation", parsers["dpo"]
-    times = {}
+    runs = []
     for s in steps:
-        if (dirs[s] / RUN_MARKER).exists() and not a.overwrite:
-            print(f"step {s} ({names[s]}): {dirs[s]} already holds a finished run; skipped "
-                  "(--overwrite to redo)", flush=True)
-            continue
-        if s == 3:
-            for need in ((1,) if skip2 else (1, 2)):
-                if not (dirs[need] / "config.json").exists():
-                    raise SystemExit(f"step 3 needs step {need}'s output in {dirs[need]}; run --step {need} first")
-        extra = shlex.split(getattr(a, f"step{s}_args"))
+        extra = cli.resolve_argv(shlex.split(getattr(a, f"step{s}_args")), parsers[s], cwd)
         # An unfinished step continues from its newest checkpoint; --overwrite starts it afresh.
         values = {**models[s], **presets[s], "output_dir": str(dirs[s]), "overwrite_output_dir": a.overwrite,
                   "resume": not a.overwrite}
-        step_cmd = [*cmd, "--module", modules[s], *command_flags(values, parsers[s]), *extra]
+        step_argv = [*command_flags(values, parsers[s]), *extra]
+        finished = (dirs[s] / RUN_MARKER).exists() and not a.overwrite
+        if not finished:
+            check_step_flags(s, names[s], parsers[s], step_argv)
+        runs.append(StepRun(s, names[s], modules[s], dirs[s], step_argv, finished))
+    return Pipeline(settings, out, cmd, env, nodes, dirs, runs, messages, (1,) if skip2 else (1, 2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python train.py …``: :func:`plan`, then each step through the launcher, a report after each,
+    and a summary of every step's results at the end."""
+    pipe = plan(argv)
+    a, out, dirs = pipe.settings.pipeline, pipe.out, pipe.dirs
+    for line in pipe.messages:
+        print(line, flush=True)
+    times = {}
+    for r in pipe.runs:
+        s = r.step
+        if r.finished:
+            print(f"step {s} ({r.name}): {r.out_dir} already holds a finished run; skipped "
+                  "(--overwrite to redo)", flush=True)
+            continue
+        if s == 3:
+            for need in pipe.step3_needs:
+                if not (dirs[need] / "config.json").exists():
+                    raise SystemExit(f"step 3 needs step {need}'s output in {dirs[need]}; run --step {need} first")
+        step_cmd = [*pipe.launcher, "--module", r.module, *r.argv]
         node = f".node{a.node_rank}" if a.node_rank is not None else ""  # nodes may share the output folder
         log_path = out / "logs" / f"step{s}{node}.log"
-        ckpts = [] if a.overwrite else list_checkpoints(dirs[s])
-        print(f"step {s} ({names[s]}) → {dirs[s]}  (log: {log_path})"
+        ckpts = [] if a.overwrite else list_checkpoints(r.out_dir)
+        print(f"step {s} ({r.name}) → {r.out_dir}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
         try:
-            times[s] = run_step(s, step_cmd, env, log_path, dirs[s], nodes, names[s])
+            times[s] = run_step(s, step_cmd, pipe.env, log_path, r.out_dir, pipe.nodes, r.name)
             print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
         finally:  # also after a failed step: its curves and alerts help to see why
             print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)

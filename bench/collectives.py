@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes_mb", type=float, nargs="+", default=[0.25, 1, 4, 16, 52, 104, 204],
                     help="full-tensor sizes, MB (fp32)")
     ap.add_argument("--repeats", type=int, default=7)

@@ -90,7 +90,7 @@ def probe(path: str, args) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", required=True, help="model folders (HF causal LMs)")
     p.add_argument("--data_path", nargs="+", required=True, help="as chatrl.step2_dpo's --data_path")
     p.add_argument("--data_split", default="0,10,0", help="as chatrl.step2_dpo's")

@@ -99,7 +99,7 @@ def decode_bandwidth(bench: dict, a) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)

@@ -33,7 +33,7 @@ def random_pairs(batch: int, seq_len: int, vocab: int, pad_id: int, gen: torch.G
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="causal-LM or reward-model folder (default: a tiny random OPT)")
     p.add_argument("--batch", type=int, default=4, help="pairs per step")
     p.add_argument("--seq_len", type=int, default=256)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+from pathlib import Path
 
 from chatrl.checkpoint import COMPLETE
 
@@ -35,6 +37,60 @@ DATA_FLAGS = ("data_path", "eval_data_path", "unsupervised_dataset_name")
 
 def _looks_local(entry: str) -> bool:
     return entry.startswith(("/", ".", "~")) or entry.endswith(DATA_SUFFIXES)
+
+
+_WEIGHTED = re.compile(r"^(\s*[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?\s*\*\s*)?(.*)$", re.DOTALL)
+
+
+def resolve_path(value: str, kind: str, cwd: str | os.PathLike) -> str:
+    """``value`` of a flag of path ``kind`` (:data:`chatrl.config.PATH_KINDS`) made absolute against ``cwd``.
+
+    ``file``: always (``~`` expanded). ``model``: when it exists under ``cwd`` or looks local (starts
+    with ``/``, ``.`` or ``~``); a hub name (``facebook/opt-1.3b``) or a short name is left alone.
+    ``data``: the same per entry, keeping a row slice (``rows.jsonl.gz[0:128]``); a data-file suffix
+    also looks local. ``reward_fn``: the file of ``[W*]path/to/file.py:function``; module specs
+    (``mypkg.mod:fn``) and built-ins are left alone.
+    """
+    base = Path(cwd)
+
+    def absolute(path: str) -> str:
+        return str((base / Path(path).expanduser()).resolve())
+
+    if kind == "file":
+        return absolute(value)
+    if kind == "reward_fn":
+        weight, target = _WEIGHTED.match(value).groups()
+        module, sep, fn = target.rpartition(":")
+        if sep and module.endswith(".py"):
+            return (weight or "") + absolute(module) + ":" + fn
+        return value
+    path, sl = (value.split("[", 1)[0], "[" + value.split("[", 1)[1]) if kind == "data" and value.endswith("]") \
+        and "[" in value else (value, "")
+    local = (base / Path(path).expanduser()).exists() or path.startswith(("/", ".", "~")) or (
+        kind == "data" and path.endswith(DATA_SUFFIXES))
+    return absolute(path) + sl if local else value
+
+
+def resolve_argv(argv: list[str], parser: argparse.ArgumentParser, cwd: str | os.PathLike) -> list[str]:
+    """A command line with the value of every path flag of ``parser`` (its ``path_kinds``) made
+    absolute against ``cwd`` (:func:`resolve_path`): ``--flag v``, ``--flag=v`` and the several
+    values of a list flag (up to the next flag). Other tokens, and dash spellings, are kept."""
+    kinds = getattr(parser, "path_kinds", {})
+    many = {a.dest for a in parser._actions if a.nargs in ("+", "*")}
+    out, kind, several = [], None, False
+    for tok in argv:
+        if tok.startswith("--") and len(tok) > 2:
+            name, eq, value = tok.partition("=")
+            dest = name[2:].replace("-", "_")
+            kind, several = kinds.get(dest), dest in many
+            if eq and kind:
+                tok, kind = name + eq + resolve_path(value, kind, cwd), None
+            out.append(tok)
+            continue
+        out.append(resolve_path(tok, kind, cwd) if kind else tok)
+        if not several:
+            kind = None
+    return out
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:

@@ -34,11 +34,14 @@ then hands, block by block, to the code that uses them::
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from chatrl.errors import UsageError
 from chatrl.rl import algorithms
 from chatrl.rl.loss import KL_PLACEMENTS, LOSS_AGG_MODES
 
@@ -46,17 +49,29 @@ REQUIRED: Any = object()
 """Default of a flag that must be given."""
 
 
+PATH_KINDS = ("file", "model", "data", "reward_fn")
+"""What a flag's value names on the local disk (:func:`chatrl.cli.resolve_path` makes it absolute
+against the caller's folder): ``file`` always a local path; ``model`` a local folder or a hub name;
+``data`` data entries (local files or folders, optionally with a row slice, or hub names);
+``reward_fn`` reward specs (``[W*]file.py:fn`` names a file, ``module:fn`` and built-ins do not)."""
+
+
 def setting(default: Any, help: str, *, unit: str | None = None, choices: tuple | Callable[[], tuple] | None = None,
-            nargs: str | None = None, per_model: bool = False, type: Any = None):
+            nargs: str | None = None, per_model: bool = False, type: Any = None, path: str | None = None):
     """A block field: its default, one-line help, unit (shown in ``--help``), allowed values (a tuple,
     or a function returning them when the parser is built: a registry that can grow), and whether
     it exists once per trained model (``per_model``) when a block is composed with prefixes.
 
     ``default=REQUIRED`` makes the flag required. A ``bool`` default of False makes a switch
     (``store_true``). ``nargs`` as in argparse (list values). ``type`` overrides the element type
-    inferred from the default (needed when the default is ``None``).
+    inferred from the default (needed when the default is ``None``). ``path``: one of
+    :data:`PATH_KINDS` when the value names something on the local disk (the parser records it in
+    ``path_kinds``, so that ``train.py`` resolves it against the caller's folder).
     """
-    meta = {"help": help, "unit": unit, "choices": choices, "nargs": nargs, "per_model": per_model, "type": type}
+    if path is not None and path not in PATH_KINDS:
+        raise ValueError(f"setting path kind {path!r}: expected one of {PATH_KINDS}")
+    meta = {"help": help, "unit": unit, "choices": choices, "nargs": nargs, "per_model": per_model, "type": type,
+            "path": path}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=None if default is REQUIRED else default, metadata={**meta, "required": default is REQUIRED})
@@ -67,7 +82,8 @@ def setting(default: Any, help: str, *, unit: str | None = None, choices: tuple 
 class ModelConfig:
     """The model to load and how to hold it."""
 
-    model_name_or_path: str = setting(REQUIRED, "HF hub name or local folder of a causal LM", per_model=True, type=str)
+    model_name_or_path: str = setting(REQUIRED, "HF hub name or local folder of a causal LM", per_model=True, type=str,
+                                      path="model")
     dtype: str = setting("fp32", "dtype of the weights (training and inference)", choices=("fp32", "bf16", "fp16"))
     gradient_checkpointing: bool = setting(False, "recompute activations in backward", per_model=True)
     dropout: float | None = setting(None, "override every dropout probability in the model config "
@@ -98,17 +114,17 @@ class DataConfig:
 
     data_path: list = setting(REQUIRED, "hub data set names and/or local .jsonl/.json/.parquet files or folders "
                                         "(optionally .gz, optionally with a row slice 'path[a:b]'); several are "
-                                        "blended", nargs="+", type=str)
+                                        "blended", nargs="+", type=str, path="data")
     data_split: str = setting("2,4,4", "relative shares of each preference data set for steps 1,2,3 "
                                        "(DeepSpeed-Chat style)")
     data_output_path: str = setting(os.path.join(os.environ.get("TMPDIR", "/tmp"), "chatrl_data"),
-                                    "tokenized-data cache folder (keyed by a hash of every input)")
+                                    "tokenized-data cache folder (keyed by a hash of every input)", path="file")
     eval_data_path: list | None = setting(None, "explicit eval sources; by default a held-out share of each phase "
-                                                "is used", nargs="*", type=str)
+                                                "is used", nargs="*", type=str, path="data")
     eval_fraction: float = setting(0.05, "share of each phase held out for eval", unit="fraction")
     max_seq_len: int = setting(512, "max tokens of prompt + answer", unit="tokens")
     unsupervised_dataset_name: list | None = setting(None, "step 3: text for the PTX loss (step-1 style data); "
-                                                           "unset: no PTX loss", nargs="*", type=str)
+                                                           "unset: no PTX loss", nargs="*", type=str, path="data")
 
 
 @dataclass
@@ -286,7 +302,7 @@ class RewardConfig:
 
     reward_fn: list = setting([], "reward functions, each [WEIGHT*]module:function, file.py:function or a built-in "
                                   "(exact_match, regex_format); no reward model is loaded when only functions or "
-                                  "URLs are given", nargs="+", type=str)
+                                  "URLs are given", nargs="+", type=str, path="reward_fn")
     reward_url: list = setting([], "reward servers, each [WEIGHT*]http://host:port/path "
                                    "(python -m chatrl.reward_server)", nargs="+", type=str)
     reward_http_timeout: float = setting(60.0, "timeout of one reward request", unit="s")
@@ -298,12 +314,14 @@ class RewardConfig:
 class LogConfig:
     """Output folder, metrics and progress."""
 
-    output_dir: str = setting(REQUIRED, "folder of the HF-format result, its logs and checkpoints", type=str)
+    output_dir: str = setting(REQUIRED, "folder of the HF-format result, its logs and checkpoints", type=str,
+                              path="file")
     overwrite_output_dir: bool = setting(False, "allow replacing a finished run's output")
     eval_interval: int = setting(0, "evaluate every N optimizer steps (0: per epoch only)", unit="steps")
     log_interval: int = setting(1, "log training metrics every N optimizer steps", unit="steps")
     enable_tensorboard: bool = setting(False, "also write TensorBoard events")
-    tensorboard_path: str | None = setting(None, "TensorBoard folder (unset: OUTPUT_DIR/logs/tb)", type=str)
+    tensorboard_path: str | None = setting(None, "TensorBoard folder (unset: OUTPUT_DIR/logs/tb)", type=str,
+                                           path="file")
     disable_progress_bar: bool = setting(False, "no tqdm bar on rank 0")
 
 
@@ -316,7 +334,8 @@ class CheckpointConfig:
     save_total_limit: int = setting(2, "keep only the newest N checkpoints (N >= 1)")
     resume: bool = setting(False, "continue from the newest complete checkpoint, if any")
     resume_from_checkpoint: str | None = setting(None, "continue from this checkpoint folder "
-                                                       "(OUTPUT_DIR/checkpoints/step_N); wins over --resume", type=str)
+                                                       "(OUTPUT_DIR/checkpoints/step_N); wins over --resume", type=str,
+                                                 path="file")
     stop_after_steps: int = setting(0, "testing: stop after N optimizer steps without the final save, as a crash "
                                        "would", unit="steps")
     max_nonfinite_steps: int = setting(10, "steps with non-finite loss or gradients are skipped; stop (with a "
@@ -326,10 +345,43 @@ class CheckpointConfig:
 
 
 # ------------------------------------------------------------------------------------- generation
-def new_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    """An empty parser whose ``--help`` shows every flag's default."""
-    return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class Parser(argparse.ArgumentParser):
+    """The command-line parser of every chatrl program.
+
+    * No abbreviations: ``--learning_rat`` is an unknown flag, not ``--learning_rate`` (argparse's
+      ``allow_abbrev``, on by default, accepted any unambiguous prefix silently).
+    * A usage error is one line, ``PROG: error: MESSAGE``, with the closest flag name when the
+      message names an unknown one, printed by rank 0 only (``RANK`` of a multi-rank launch; the
+      other ranks exit quietly with the same code 2), instead of the whole usage on every rank.
+    * ``raise_errors = True`` makes a usage error raise :class:`chatrl.errors.UsageError` instead
+      (``train.py`` checks a step's command line before launching it).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.raise_errors = False
+        self.path_kinds: dict[str, str] = {}  # flag name → what it names on disk (PATH_KINDS)
+
+    def error(self, message: str):
+        """Report a usage error (see the class docstring) and exit with code 2, or raise UsageError."""
+        unknown = [t.split("=", 1)[0] for t in message.split() if t.startswith("--")] \
+            if message.startswith("unrecognized arguments") else []
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = [f"{u} → {m[0]}?" for u in unknown if (m := difflib.get_close_matches(u, known, n=1, cutoff=0.6))]
+        if hints:
+            message += f" (did you mean: {', '.join(hints)})"
+        if self.raise_errors:
+            raise UsageError(message)
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def new_parser(description: str, prog: str | None = None,
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> Parser:
+    """An empty :class:`Parser` whose ``--help`` shows every flag's default."""
+    return Parser(prog=prog, description=description, formatter_class=formatter_class)
 
 
 def _flag_names(block, prefixes: tuple[str, ...], only, exclude):
@@ -383,6 +435,10 @@ def add_block(p: argparse.ArgumentParser, block, *, prefixes: tuple[str, ...] = 
             if m.get("nargs"):
                 kwargs["nargs"] = m["nargs"]
         g.add_argument(f"--{name}", **kwargs)
+        if m.get("path"):
+            if not hasattr(p, "path_kinds"):
+                p.path_kinds = {}
+            p.path_kinds[name] = m["path"]
     if defaults:
         raise ValueError(f"defaults for unknown flags of {block.__name__}: {sorted(defaults)}")
     return g

@@ -375,7 +375,7 @@ def report_note(output_dir: str | os.PathLike) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m chatrl.report OUTPUT``: write OUTPUT/report.html from the run's logs."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m chatrl.report", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", help="train.py's --output-dir, or one step's --output_dir")
     p.add_argument("--out", default=None, help="where to write the HTML (default: OUTPUT_DIR/report.html)")

@@ -21,6 +21,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.rewards import FunctionReward, WeightedReward, decode_request, split_weight
 from chatrl.rewards.model import TextRewardModel
@@ -78,8 +79,7 @@ def make_server(reward: WeightedReward, host: str = "127.0.0.1", port: int = 0) 
 
 def build_parser() -> argparse.ArgumentParser:
     """The reward server's flags."""
-    p = argparse.ArgumentParser(description="serve a chatrl reward over HTTP (docs/rewards.md)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = config.new_parser("serve a chatrl reward over HTTP (docs/rewards.md)", prog="python -m chatrl.reward_server")
     p.add_argument("--reward_fn", action="append", default=[],
                    help="[WEIGHT*]module:function, path/to/file.py:function or a built-in (exact_match, "
                         "regex_format); repeat to add several")

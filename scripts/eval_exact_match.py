@@ -43,7 +43,7 @@ def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_si
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder of the model (e.g. step 3's actor/)")
     p.add_argument("--data", required=True, help="JSONL prompt rows with 'prompt' and 'reference'")
     p.add_argument("--max_new_tokens", type=int, default=6, help="answer tokens")

@@ -84,7 +84,7 @@ def make_task(n_train: int, n_eval: int, seed: int = 0, max_operand: int = 99, o
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--output_dir", required=True, help="folder for train.jsonl and eval.jsonl")
     p.add_argument("--train", type=int, default=2000, help="training problems")

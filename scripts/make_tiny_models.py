@@ -20,7 +20,7 @@ from chatrl.tiny import FAMILIES, TinySpec, make_tiny_model  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="parent folder; each family goes to OUT/<family>")
     p.add_argument("--family", nargs="+", default=["opt", "llama"], choices=FAMILIES)
     p.add_argument("--hidden", type=int, default=64)

@@ -160,7 +160,7 @@ def compare(work: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phase", choices=["prepare", "trl", "compare"])
     p.add_argument("--work", required=True, help="scratch folder shared by the three phases")
     p.add_argument("--shared", default=os.environ.get("CHATRL_SHARED", "../shared"), help="offline assets")

@@ -170,7 +170,7 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per framework and stage")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     p.add_argument("--sft_steps", type=int, default=40, help="optimizer steps of SFT / step 1")

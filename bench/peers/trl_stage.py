@@ -134,7 +134,7 @@ def ppo(a, tok, world):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=["sft", "reward", "ppo"])
     p.add_argument("--model", required=True)
     p.add_argument("--reward_model", help="ppo: reward model and value-model initialisation")

@@ -16,7 +16,8 @@ class Step3ModelsConfig:
     """The frozen reward model."""
 
     reward_model_name_or_path: str | None = setting(None, "frozen reward model (unset: the critic's step-2 folder, "
-                                                          "unless --reward_fn/--reward_url give the reward)", type=str)
+                                                          "unless --reward_fn/--reward_url give the reward)", type=str,
+                                                    path="model")
 
 
 @dataclass

@@ -140,3 +140,94 @@ def test_chat_temperature_0_is_greedy_decoding(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         chat.main(["--path", str(STORIES), "--temperature", "-1"])
     assert "--temperature must be >= 0" in capsys.readouterr().err
+
+
+def _parsers():
+    """Every chatrl program's parser, with a flag prefix it must refuse and the flag it abbreviates."""
+    from chatrl.reward_server import build_parser as server
+    from chatrl.step1_sft.main import build_parser as step1
+    from chatrl.step2_dpo.main import build_parser as dpo
+    from chatrl.step2_reward.main import build_parser as step2
+    from chatrl.step2_reward.score import build_parser as score
+    from chatrl.step3_ppo.main import build_parser as step3
+
+    base = ["--model_name_or_path", "m", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
+    base3 = ["--actor_model_name_or_path", "a", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
+    return [(step1(), [*base, "--learning_rat", "1e-3"], "--learning_rate"),
+            (step2(), [*base, "--per_device_train_batch", "2"], "--per_device_train_batch_size"),
+            (dpo(), [*base, "--bet", "0.2"], "--beta"),
+            (step3(), [*base3, "--actor_learning_rat", "1e-5"], "--actor_learning_rate"),
+            (score(), ["--model", "m", "--promp", "p"], "--prompt"),
+            (chat.build_parser(), ["--path", "p", "--max_new_token", "5"], "--max_new_tokens"),
+            (server(), ["--reward_fn", "exact_match", "--por", "0"], "--port"),
+            (train.build_parser(), ["--preset", "demo", "--step1-arg", "x"], "--step1_args")]
+
+
+def test_no_program_accepts_abbreviations_and_a_usage_error_is_one_line_from_rank_0(monkeypatch, capsys):
+    """A prefix of a flag (`--learning_rat`) was accepted silently (argparse abbreviations); every chatrl
+    program refuses it now, naming the flag it resembles, in one line (no usage dump), on rank 0 only."""
+    for parser, argv, meant in _parsers():
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and not parser.allow_abbrev
+        assert f"unrecognized arguments: {argv[-2]} {argv[-1]}" in err and f"→ {meant}?" in err, err
+        assert "usage:" not in err and len(err.strip().splitlines()) == 2, err
+        monkeypatch.setenv("RANK", "1")  # the other ranks of a launch exit quietly with the same code
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        assert exit_.value.code == 2 and capsys.readouterr().err == ""
+    from chatrl import report
+
+    with pytest.raises(SystemExit):
+        report.main(["o", "--ou", "x.html"])
+    assert "unrecognized arguments: --ou" in capsys.readouterr().err
+
+
+def test_train_py_checks_every_step_command_before_launching(tmp_path):
+    """A typo or a missing data path in --stepN-args stops train.py at once, naming the step, before
+    step 1 runs (before: the step's usage on every rank, ~100 lines, and a summary without the cause)."""
+    out = ["--output-dir", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as e:
+        train.plan(["--preset", "demo", *out, "--step1-args", "--learning_rat 1e-3"])
+    assert str(e.value) == ("train.py: step 1 (supervised fine-tuning) flags: unrecognized arguments: --learning_rat "
+                            "1e-3 (did you mean: --learning_rat → --learning_rate?)")
+    with pytest.raises(SystemExit) as e:
+        train.plan(["--preset", "demo", *out, "--step3-args", "--unsupervised_dataset_name nope.jsonl"])
+    assert str(e.value).startswith("train.py: step 3 (RLHF, ppo) flags: --unsupervised_dataset_name ")
+    assert str(e.value).endswith("nope.jsonl: no such file or folder")
+    # the cause of a step that fails anyway is among the pipeline's last lines
+    assert train._failure_lines("python -m chatrl.step1_sft: error: --data_path x.jsonl: no such file or folder\n") \
+        == ["python -m chatrl.step1_sft: error: --data_path x.jsonl: no such file or folder"]
+
+
+def test_train_py_reads_local_paths_from_the_callers_folder(tmp_path):
+    """`cd DATA && python REPO/train.py … --data-path rows.jsonl.gz[0:128]` failed in step 1 (the steps run
+    from the repository). Every local path is now made absolute against the caller's folder before
+    the steps start; hub names and module specs are left alone."""
+    import gzip
+
+    data = tmp_path / "DATA"
+    (data / "model").mkdir(parents=True)
+    (data / "model" / "config.json").write_text("{}")
+    with gzip.open(data / "rows.jsonl.gz", "wt") as f:
+        f.write('{"prompt": "What is 1 + 1?", "reference": "2"}\n')
+    (data / "ptx.jsonl").write_text('{"prompt": "a", "chosen": "b"}\n')
+    (data / "my_reward.py").write_text("def score(p, a, m):\n    return [0.0] * len(a)\n")
+    (data / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    pipe = train.plan(["--actor-model", "model", "--data-path", "rows.jsonl.gz[0:128]", "Dahoas/rm-static",
+                       "--rl-algorithm", "grpo", "--reward-fn", "my_reward.py:score", "mypkg.mod:fn", "exact_match",
+                       "--deployment-type", "multi_node", "--hostfile", "hosts", "--node-rank", "1",
+                       "--output-dir", "out", "--step", "1", "3",
+                       "--step3-args", "--unsupervised_dataset_name ptx.jsonl --reward_fn 0.5*my_reward.py:score "
+                                       "--tensorboard_path=tb --critic_model_name_or_path facebook/opt-350m"],
+                      cwd=data)
+    assert pipe.out == data / "out" and pipe.nodes[0] == {"node-a": 2, "node-b": 2}
+    assert str(data / "hosts") in pipe.launcher
+    step1, step3 = (" ".join(r.argv) for r in pipe.runs)
+    assert f"--model_name_or_path {data / 'model'} " in step1 and f"--output_dir {data / 'out' / 'step1_actor'}" in step1
+    assert f"--data_path {data / 'rows.jsonl.gz'}[0:128] Dahoas/rm-static " in step1
+    assert f"--reward_fn {data / 'my_reward.py'}:score mypkg.mod:fn exact_match " in step3
+    assert f"--unsupervised_dataset_name {data / 'ptx.jsonl'} --reward_fn 0.5*{data / 'my_reward.py'}:score" in step3
+    assert f"--tensorboard_path={data / 'tb'} --critic_model_name_or_path facebook/opt-350m" in step3
