@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -66,15 +67,51 @@ def _load_error(path: str, what: str, err: Exception) -> OSError:
     return OSError(f"cannot load a {what} from {path} ({detail})")
 
 
+class MissingTokenizerError(UsageError, FileNotFoundError):
+    """A local model folder without the files a tokenizer is loaded from."""
+
+
+#: The files a tokenizer is built from, by kind (one of these must be in a model folder).
+TOKENIZER_FILES = {"tokenizer.json": "tokenizer.json (fast tokenizer)",
+                   "tokenizer.model": "tokenizer.model (SentencePiece)", "spiece.model": "spiece.model (SentencePiece)",
+                   "vocab.json": "vocab.json with merges.txt (BPE)", "vocab.txt": "vocab.txt (WordPiece)",
+                   "tiktoken.model": "tiktoken.model"}
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Refuse a local folder that holds no tokenizer files, naming what is missing and what is there
+    (transformers' own message, "You need to have sentencepiece or tiktoken installed …", blames the
+    environment). Hub names and folders with a tokenizer pass.
+
+    Raises:
+        MissingTokenizerError: naming the folder, the files looked for and the files found.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    names = {p.name for p in folder.iterdir()}
+    if any(n.endswith(".tiktoken") for n in names) or any(
+            n in names and (n != "vocab.json" or "merges.txt" in names) for n in TOKENIZER_FILES):
+        return
+    partial = " (vocab.json is there, merges.txt is not)" if "vocab.json" in names else ""
+    found = ", ".join(sorted(names)) or "nothing"
+    raise MissingTokenizerError(
+        f"{path} holds no tokenizer files: none of {', '.join(TOKENIZER_FILES.values())}{partial}; it holds "
+        f"{found}. Copy the tokenizer files of the model it was made from into it (with tokenizer_config.json and "
+        "special_tokens_map.json when there are any), or give that model's folder")
+
+
 def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bool = False):
     """Load a tokenizer from a hub name or local folder and :func:`prepare_tokenizer` it.
 
     Raises:
         FileNotFoundError: ``path`` does not exist locally and is not loadable from the hub (names it).
-        OSError: ``path`` exists but holds no loadable tokenizer (names it).
+        MissingTokenizerError: ``path`` is a folder without tokenizer files (names the files).
+        OSError: ``path`` holds tokenizer files that do not load (names it).
     """
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:

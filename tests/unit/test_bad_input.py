@@ -274,7 +274,35 @@ def test_model_path_that_does_not_exist_is_named(stories_tok, tmp_path):
     (tmp_path / "empty_model").mkdir()
     with pytest.raises(OSError) as err:
         load_tokenizer(str(tmp_path / "empty_model"))
-    assert str(err.value).startswith(f"cannot load a model/tokenizer from {tmp_path / 'empty_model'} (ValueError: ")
+    assert str(err.value).startswith(f"{tmp_path / 'empty_model'} holds no tokenizer files: none of tokenizer.json")
+
+
+def test_model_folder_without_tokenizer_files_names_them(tmp_path):
+    """A model folder (config and weights) without its tokenizer said "You need to have sentencepiece or
+    tiktoken installed" (both were installed); the message names the files looked for and found."""
+    import shutil
+
+    from chatrl.errors import UsageError
+
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(STORIES / name, folder / name)
+    with pytest.raises(UsageError) as err:
+        load_tokenizer(str(folder))
+    assert isinstance(err.value, FileNotFoundError)
+    assert str(err.value) == (
+        f"{folder} holds no tokenizer files: none of tokenizer.json (fast tokenizer), tokenizer.model (SentencePiece), "
+        "spiece.model (SentencePiece), vocab.json with merges.txt (BPE), vocab.txt (WordPiece), tiktoken.model; "
+        "it holds config.json, generation_config.json, model.safetensors. Copy the tokenizer files of the model it "
+        "was made from into it (with tokenizer_config.json and special_tokens_map.json when there are any), or give "
+        "that model's folder")
+    shutil.copy(TOKENIZERS / "gpt2" / "vocab.json", folder / "vocab.json")
+    with pytest.raises(UsageError, match=r"\(vocab.json is there, merges.txt is not\)"):
+        load_tokenizer(str(folder))
+    shutil.copy(TOKENIZERS / "gpt2" / "merges.txt", folder / "merges.txt")
+    shutil.copy(TOKENIZERS / "gpt2" / "tokenizer_config.json", folder / "tokenizer_config.json")
+    assert load_tokenizer(str(folder)).eos_token_id == 50256
 
 
 # 17 ----------------------------------------------------------------------------------------------
