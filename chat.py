@@ -66,6 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def answer_streamer(tokenizer):
+    """transformers' ``TextStreamer`` (prompt skipped, special tokens dropped) that drops the
+    answer's leading whitespace, so that it reads ``Assistant: Hello`` whatever the tokenizer
+    makes of the first token (``Assistant:He`` with stories260K, ``Assistant:  He`` with a leading-space token)."""
+    from transformers import TextStreamer
+
+    class AnswerStreamer(TextStreamer):
+        started = False
+
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            if not self.started:
+                text = text.lstrip()
+                self.started = bool(text)
+            super().on_finalized_text(text, stream_end=stream_end)
+
+    return AnswerStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         return serve(args)
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, TextStreamer
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -100,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     while True:
         try:
             text = input("\nHuman: " if interactive else "")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave without a traceback
+            print()
             break
         if not interactive:
             print(f"\nHuman: {text}")
@@ -115,13 +134,18 @@ def main(argv: list[str] | None = None) -> None:
         history.append({"role": "user", "content": text})
         ids, history = prompt_ids_within(tokenizer, history, budget)
         input_ids = torch.tensor([ids], device=device)
-        print("Assistant:", end="", flush=True)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-                **sampling, repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer, model),
-                pad_token_id=tokenizer.pad_token_id, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
+        print("Assistant: ", end="", flush=True)
+        streamer = answer_streamer(tokenizer)
+        try:
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
+                    **sampling, repetition_penalty=args.repetition_penalty, eos_token_id=stop_token_ids(tokenizer, model),
+                    pad_token_id=tokenizer.pad_token_id, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
+        except KeyboardInterrupt:  # Ctrl-C during an answer: drop it, keep the conversation
+            print("\n(answer stopped)")
+            history.pop()
+            continue
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()
         history.append({"role": "assistant", "content": answer})

@@ -27,6 +27,7 @@ last, so they override the presets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -297,17 +298,21 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tty, drawn = sys.stdout.isatty(), False
-        for line in proc.stdout:
-            log.write(line)
-            failures += _failure_lines(line)
-            if _PROGRESS.search(line):  # a tqdm update: redraw in place on a terminal, else leave it to the log
-                if tty:
-                    print(f"\r  [step {step}] {line.strip()[:150]}", end="", flush=True)
-                    drawn = True
-            elif _worth_showing(line):
-                print(("\n" if drawn else "") + f"  [step {step}] {line.rstrip()}", flush=True)
-                drawn = False
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                failures += _failure_lines(line)
+                if _PROGRESS.search(line):  # a tqdm update: redraw in place on a terminal, else leave it to the log
+                    if tty:
+                        print(f"\r  [step {step}] {line.strip()[:150]}", end="", flush=True)
+                        drawn = True
+                elif _worth_showing(line):
+                    print(("\n" if drawn else "") + f"  [step {step}] {line.rstrip()}", flush=True)
+                    drawn = False
+            code = proc.wait()
+        except KeyboardInterrupt:
+            _wind_down(proc, log)
+            raise Interrupted(step, name or STEP_NAMES[step], step_dir, log_path) from None
     if code != 0:
         ckpts = list_checkpoints(step_dir)
         reached = _last_logged_step(step_dir)
@@ -328,6 +333,42 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
         raise SystemExit(f"train.py: step {step} ({name or STEP_NAMES[step]}) failed with exit code {code}{why}\n"
                          f"  {resume}\n  full log: {log_path}")
     return time.time() - t0
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped a step: which one, its folder and its log."""
+
+    def __init__(self, step: int, name: str, step_dir: Path, log_path: Path):
+        super().__init__(step)
+        self.step, self.name, self.step_dir, self.log_path = step, name, step_dir, log_path
+
+    def message(self, overwrite: bool) -> str:
+        """One line: what was kept and saved, and that the same command resumes (train.py passes --resume)."""
+        ckpts = list_checkpoints(self.step_dir)
+        saved = (f"its newest checkpoint is {ckpts[-1]} (the same command resumes from it)" if ckpts and not overwrite
+                 else f"its newest checkpoint is {ckpts[-1]} (run without --overwrite to resume from it)" if ckpts
+                 else "no checkpoint of it was written yet (the same command starts it again)")
+        return (f"train.py: interrupted (Ctrl-C) in step {self.step} ({self.name}); finished steps are kept, {saved}; "
+                f"log: {self.log_path}")
+
+
+def _wind_down(proc: subprocess.Popen, log, grace_s: float = 30.0) -> None:
+    """After Ctrl-C: pass it on to the step (a terminal sends it to the whole job already), log what the
+    ranks still print (their one line each) without showing it, and end the step within ``grace_s``."""
+    import signal
+    import threading
+
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+    reader = threading.Thread(target=lambda: [log.write(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    reader.join(timeout=5)
 
 
 def _last_logged_step(step_dir: Path) -> int | None:
@@ -508,9 +549,14 @@ def main(argv: list[str] | None = None) -> None:
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
         try:
             times[s] = run_step(s, step_cmd, pipe.env, log_path, r.out_dir, pipe.nodes, r.name)
-            print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
-        finally:  # also after a failed step: its curves and alerts help to see why
-            print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
+        except Interrupted as stop:  # one line: what is kept and how to go on
+            print(("\n" if sys.stdout.isatty() else "") + stop.message(a.overwrite), flush=True)
+            raise SystemExit(130) from None
+        except BaseException:  # a failed step: its curves and alerts help to see why
+            print(report_note(out), flush=True)
+            raise
+        print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+        print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
     if a.step2_method == "dpo":
         if (dirs[2] / RUN_MARKER).exists():
             print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[2]}", flush=True)
@@ -524,4 +570,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # between steps (planning, a report): nothing of a step is lost
+        print("\ntrain.py: interrupted (Ctrl-C); finished steps are kept; the same command continues", flush=True)
+        raise SystemExit(130) from None

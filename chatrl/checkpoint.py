@@ -26,7 +26,7 @@ import torch
 from chatrl.config import CheckpointConfig
 from chatrl.dist import barrier, get_rank, is_main
 from chatrl.errors import UsageError
-from chatrl.resilience import NonFiniteError, NonFiniteGuard
+from chatrl.resilience import NonFiniteError, NonFiniteGuard, set_progress
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,8 @@ class LoopCheckpoints:
         self.cfg, self.output_dir, self.engines, self.layout = ckpt, output_dir, engines, layout
         self.extra = extra_modules or {}
         self.guard = NonFiniteGuard(engines, ckpt.max_nonfinite_steps)
+        # for the Ctrl-C line: does the same command continue from the newest checkpoint?
+        set_progress(resumes=bool(ckpt.resume and not ckpt.resume_from_checkpoint))
 
     @property
     def skipped(self) -> int:
@@ -253,6 +255,7 @@ class LoopCheckpoints:
         for name, module in self.extra.items():
             _load_local_params(module, os.path.join(path, f"{name}_rank{get_rank()}.safetensors"))
         state["path"] = str(path)
+        set_progress(saved=str(path), saved_step=state.get("step"))
         return state
 
     def stop_here(self, step: int) -> bool:
@@ -276,8 +279,9 @@ class LoopCheckpoints:
             for name, module in self.extra.items():
                 _save_local_params(module, os.path.join(folder, f"{name}_rank{get_rank()}.safetensors"))
 
-        save_checkpoint(self.engines, self.output_dir, step, {**state, "layout": self.layout},
-                        keep=self.cfg.save_total_limit, write_extra=write_extra)
+        path = save_checkpoint(self.engines, self.output_dir, step, {**state, "layout": self.layout},
+                               keep=self.cfg.save_total_limit, write_extra=write_extra)
+        set_progress(saved=str(path), saved_step=step)
 
 
 def _describe_layout(layout: dict) -> str:

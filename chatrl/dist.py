@@ -23,7 +23,7 @@ import torch
 from chatrl import deepspeed_patches
 from chatrl.config import LoraConfig, OptimConfig, ZeroConfig
 from chatrl.models import lora_enabled, optimizer_param_groups
-from chatrl.resilience import report_failure, skip_nonfinite_steps
+from chatrl.resilience import INTERRUPTED, report_failure, skip_nonfinite_steps
 from chatrl.sizes import BatchSizes
 
 log = logging.getLogger(__name__)
@@ -183,11 +183,17 @@ def run_program(main: Callable[[], object]) -> NoReturn:
     (core dump of a 2-rank ZeRO-3 probe: ``~AsyncAllgatherWork`` → ``decref`` →
     ``PyThread_exit_thread``; 3 of 6 probe runs aborted with ``shutdown()`` alone, 0 of 8 with
     this). An exception is reported by :func:`chatrl.resilience.report_failure` and propagates
-    (the interpreter exits non-zero as usual).
+    (the interpreter exits non-zero as usual); Ctrl-C ends the process at once with code 130 after
+    its one line.
     """
-    with report_failure():
-        result = main()  # noqa: F841  (referenced until the process ends)
-        shutdown()
+    try:
+        with report_failure():
+            result = main()  # noqa: F841  (referenced until the process ends)
+            shutdown()
+    except SystemExit as e:
+        if e.code == INTERRUPTED:  # Ctrl-C: its one line is out; no teardown racing gloo
+            exit_now(INTERRUPTED)
+        raise
     exit_now(0)
 
 

@@ -11,7 +11,8 @@
 * :func:`report_failure` turns an exception on a rank into one line naming the rank, the step and
   the optimizer step reached, before the exception ends the process with a non-zero code (the
   launcher then stops the other ranks); a :class:`chatrl.errors.UsageError` (bad input the message
-  fully names) is printed alone, without a traceback, and exits with code 2.
+  fully names) is printed alone, without a traceback, and exits with code 2; Ctrl-C prints one line
+  (what was saved, how to go on) and exits with 130.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ def nonfinite_scores(reward, steps: list[int], current_step):
     return scores
 
 
-_PROGRESS = {"step": "", "optimizer_step": 0}
+_PROGRESS: dict = {"step": "", "optimizer_step": 0, "saved": None, "saved_step": None, "resumes": False}
+
+#: Exit code of a step stopped by Ctrl-C (SIGINT), as shells report it: 128 + 2.
+INTERRUPTED = 130
 
 
 def _short(message: str, limit: int = 240) -> str:
@@ -134,22 +138,51 @@ def _short(message: str, limit: int = 240) -> str:
     return first if len(first) <= limit else first[:limit - 1] + "…"
 
 
-def set_progress(step_name: str | None = None, optimizer_step: int | None = None) -> None:
-    """Record where this rank is, for :func:`report_failure`'s message."""
+def set_progress(step_name: str | None = None, optimizer_step: int | None = None, *, saved: str | None = None,
+                 saved_step: int | None = None, resumes: bool | None = None) -> None:
+    """Record where this rank is, for :func:`report_failure`'s messages: the step's name, its
+    optimizer step, the newest checkpoint written or resumed from (``saved``, at ``saved_step``),
+    and whether the same command resumes from it (``--resume``)."""
     if step_name is not None:
         _PROGRESS["step"] = step_name
     if optimizer_step is not None:
         _PROGRESS["optimizer_step"] = optimizer_step
+    if saved is not None:
+        _PROGRESS["saved"], _PROGRESS["saved_step"] = saved, saved_step
+    if resumes is not None:
+        _PROGRESS["resumes"] = resumes
+
+
+def interrupted_message() -> str:
+    """The one line printed when Ctrl-C stops a step: where it was, what was saved, how to go on."""
+    where, n = _PROGRESS["step"] or "chatrl", _PROGRESS["optimizer_step"]
+    if _PROGRESS["saved"]:
+        saved = f"saved: the checkpoint {_PROGRESS['saved']} (optimizer step {_PROGRESS['saved_step']})"
+        how = ("the same command resumes from it" if _PROGRESS["resumes"]
+               else "the same command with --resume continues from it")
+    else:
+        saved, how = "nothing saved yet (no checkpoint written: --save_interval)", "the same command starts again"
+    return f"chatrl: interrupted (Ctrl-C) in {where} after optimizer step {n}; {saved}; {how}"
 
 
 @contextlib.contextmanager
 def report_failure():
-    """Re-raise any exception after one line on stderr naming the rank, the step and its progress."""
+    """Re-raise any exception after one line on stderr naming the rank, the step and its progress.
+
+    Ctrl-C (``KeyboardInterrupt``) prints :func:`interrupted_message` instead of a traceback, on
+    rank 0 only, and exits with :data:`INTERRUPTED`; a :class:`chatrl.errors.UsageError` prints its
+    message alone and exits with 2.
+    """
     try:
         yield
     except BaseException as e:
         if isinstance(e, SystemExit):  # a deliberate exit (argparse's usage errors): its message is out already
             raise
+        if isinstance(e, KeyboardInterrupt):
+            if os.environ.get("RANK", "0") == "0":
+                sys.stderr.write(interrupted_message() + "\n")
+                sys.stderr.flush()
+            raise SystemExit(INTERRUPTED) from None
         if isinstance(e, UsageError):  # a message that says everything: alone, as argparse prints a bad flag
             sys.stderr.write(f"chatrl: error: {e}\n")
             raise SystemExit(2) from None

@@ -118,3 +118,39 @@ def test_resume_with_another_world_size_is_refused_naming_both_layouts(tmp_path)
             "this run has world_size 1, per_device_train_batch_size 2, gradient_accumulation_steps 1") in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "chatrl_run.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_step_is_one_line_and_the_same_command_resumes(tmp_path):
+    """Ctrl-C (SIGINT) during step 1, after its first checkpoint: no traceback, one line naming the
+    checkpoint, exit code 130; the same command (with --resume) then continues from it and finishes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.launch import REPO
+
+    out = tmp_path / "sft"
+    flags = _supervised_flags("chatrl.step1_sft", 200, "10,0,0", 40, tmp_path)
+    cmd = [sys.executable, *flags, "--save_interval", "1", "--zero_stage", "0", "--resume", "--output_dir", str(out)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step_1" / "complete.json").exists() and proc.poll() is None:
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    lines = [x for x in stderr.splitlines() if x.startswith("chatrl: interrupted")]
+    assert len(lines) == 1 and lines[0].startswith("chatrl: interrupted (Ctrl-C) in step 1 (SFT) after optimizer step ")
+    saved = int(lines[0].split("(optimizer step ")[-1].split(")")[0])
+    assert lines[0].endswith(f"saved: the checkpoint {out / 'checkpoints' / f'step_{saved}'} (optimizer step {saved}); "
+                             "the same command resumes from it")
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{saved}'} at optimizer step {saved}" in again.stdout + again.stderr
+    assert (out / "chatrl_run.json").exists()

@@ -132,6 +132,12 @@ def _chat_answer(monkeypatch, capsys, *flags) -> str:
     return capsys.readouterr().out.split("Assistant:", 1)[1]
 
 
+def test_terminal_chat_prints_one_space_after_assistant(monkeypatch, capsys):
+    """The answer streamed right after "Assistant:" read "Assistant:He"; it reads "Assistant: He"."""
+    answer = _chat_answer(monkeypatch, capsys, "--greedy")
+    assert answer.startswith(" ") and not answer.startswith("  ") and answer.strip()
+
+
 def test_chat_temperature_0_is_greedy_decoding(monkeypatch, capsys):
     """--temperature 0 crashed in transformers; it means greedy decoding."""
     greedy = _chat_answer(monkeypatch, capsys, "--greedy")

@@ -143,3 +143,69 @@ def test_failure_report_names_rank_step_and_progress_but_not_usage_errors(capsys
     with pytest.raises(SystemExit), report_failure():
         raise SystemExit(2)  # argparse has printed its own message
     assert capsys.readouterr().err == ""
+
+
+def test_ctrl_c_is_one_line_saying_what_was_saved_and_how_to_go_on(capsys, monkeypatch):
+    """Ctrl-C printed a raw KeyboardInterrupt traceback per rank; now rank 0 prints one line and the
+    process exits with 130 (the shells' code for SIGINT)."""
+    from chatrl import resilience
+    from chatrl.resilience import report_failure, set_progress
+
+    monkeypatch.setattr(resilience, "_PROGRESS", dict(resilience._PROGRESS, saved=None, resumes=False))
+    monkeypatch.setenv("RANK", "0")
+    set_progress("step 3 (grpo)", 5)
+    with pytest.raises(SystemExit) as exit_, report_failure():
+        raise KeyboardInterrupt
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == ("chatrl: interrupted (Ctrl-C) in step 3 (grpo) after optimizer step 5; nothing "
+                                       "saved yet (no checkpoint written: --save_interval); the same command starts "
+                                       "again\n")
+    set_progress(saved="out/checkpoints/step_4", saved_step=4, resumes=True)
+    with pytest.raises(SystemExit), report_failure():
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err == ("chatrl: interrupted (Ctrl-C) in step 3 (grpo) after optimizer step 5; saved: "
+                                       "the checkpoint out/checkpoints/step_4 (optimizer step 4); the same command "
+                                       "resumes from it\n")
+    set_progress(resumes=False)
+    with pytest.raises(SystemExit), report_failure():
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err.endswith("(optimizer step 4); the same command with --resume continues from it\n")
+    monkeypatch.setenv("RANK", "1")  # the other ranks say nothing
+    with pytest.raises(SystemExit) as exit_, report_failure():
+        raise KeyboardInterrupt
+    assert exit_.value.code == 130 and capsys.readouterr().err == ""
+
+
+def test_train_py_stops_a_step_on_ctrl_c_with_one_line(tmp_path):
+    """train.py on Ctrl-C: the step is told, winds down within the grace time, and one line says what is
+    kept (a real child process that prints a line per step and its own line on SIGINT)."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from tests.unit.test_entry_points import train
+
+    script = ("import signal, sys, time\n"
+              "def stop(*a):\n    print('chatrl: interrupted (Ctrl-C) in step 1 (SFT) after optimizer step 1'); sys.exit(130)\n"
+              "signal.signal(signal.SIGINT, stop)\n"
+              "for i in range(600):\n    print(f'step {i}', flush=True); time.sleep(0.1)\n")
+    step_dir, log = tmp_path / "step1_actor", tmp_path / "logs" / "step1.log"
+    (step_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (step_dir / "checkpoints" / "step_2" / "complete.json").write_text("{}")
+
+    def interrupt():
+        while not (log.exists() and "step 3" in log.read_text()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(train.Interrupted) as stop:
+        train.run_step(1, [sys.executable, "-c", script], {}, log, step_dir)
+    assert time.time() - t0 < 30
+    assert "chatrl: interrupted (Ctrl-C) in step 1" in log.read_text()  # the step's own line is in its log
+    assert stop.value.message(overwrite=False) == (
+        f"train.py: interrupted (Ctrl-C) in step 1 (supervised fine-tuning); finished steps are kept, its newest "
+        f"checkpoint is {step_dir / 'checkpoints' / 'step_2'} (the same command resumes from it); log: {log}")
