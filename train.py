@@ -49,7 +49,7 @@ from chatrl.step1_sft.main import build_parser as step1_parser
 from chatrl.step2_dpo.main import build_parser as dpo_parser
 from chatrl.step2_reward.main import build_parser as step2_parser
 from chatrl.step3_ppo.main import build_parser as step3_parser
-from chatrl.tracking import METRICS_FILE, read_metrics
+from chatrl.tracking import METRICS_FILE, read_metrics, results_line
 
 REPO = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
@@ -567,6 +567,20 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("all requested steps were already finished (--overwrite redoes them)", flush=True)
         print(report_note(out), flush=True)
+    for line in results_summary(pipe.runs):
+        print(line, flush=True)
+
+
+def results_summary(runs: list[StepRun]) -> list[str]:
+    """The pipeline's last lines: each step's results from its metrics log
+    (:func:`chatrl.tracking.results_line`: step 1's eval perplexity before → after and EOS rate,
+    step 2's eval accuracy before → after, step 3's score first → last, KL max, EOS rate first → last)."""
+    lines = []
+    for r in runs:
+        found = results_line(read_metrics(r.out_dir / METRICS_FILE))
+        if found:
+            lines.append(f"  step {r.step} ({r.name}): {found}")
+    return ["results:", *lines] if lines else []
 
 
 if __name__ == "__main__":

@@ -33,6 +33,53 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+# What a step's results line reports, in order: (metric, label, format, how). ``how``: "first→last"
+# (the first and the last logged value), "max", or "last".
+RESULTS = (
+    ("eval/ppl", "eval perplexity", "{:.2f}", "first→last"),
+    ("eval/accuracy", "eval accuracy", "{:.3f}", "first→last"),
+    ("eval/rewards/accuracy", "eval accuracy", "{:.3f}", "first→last"),
+    ("eval/eos_rate", "greedy answers ending their turn", "{:.1%}", "first→last"),
+    ("reward/score_mean", "score", "{:.3f}", "first→last"),
+    ("kl", "KL max", "{:.3f} nats", "max"),
+    ("eos_rate", "EOS rate", "{:.2f}", "first→last"),
+)
+
+
+def results_line(rows: list[dict]) -> str:
+    """One line of a step's results from its metrics rows (:func:`read_metrics`): eval perplexity,
+    accuracy and EOS checks before → after, step 3's score first → last, KL max, EOS rate first →
+    last (:data:`RESULTS`); non-finite values are left out. ``""`` when none is logged."""
+    parts = []
+    for key, label, fmt, how in RESULTS:
+        ys = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if not ys:
+            continue
+        if how == "max":
+            parts.append(f"{label} {fmt.format(max(ys))}")
+        elif how == "first→last" and len(ys) > 1:
+            parts.append(f"{label} {fmt.format(ys[0])} → {fmt.format(ys[-1])}")
+        else:
+            parts.append(f"{label} {fmt.format(ys[-1])}")
+    return ", ".join(parts)
+
+
+class Trend:
+    """The metrics rows of a running step, kept for a one-line trend on the console
+    (:func:`results_line`: step 3's score first → now, KL max, EOS rate first → now)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def add(self, metrics: dict) -> None:
+        """Keep the figures :func:`results_line` reads from one logged row."""
+        self.rows.append({k: metrics[k] for k, *_ in RESULTS if k in metrics})
+
+    def line(self, label: str) -> str:
+        """``label: score 0.126 → 0.142, KL max 0.880 nats, EOS rate 0.47 → 0.70``."""
+        return f"{label}: {results_line(self.rows) or 'nothing logged yet'}"
+
+
 class Tracker:
     """Writes metrics of one run, and checks them against the run-health alerts.
 

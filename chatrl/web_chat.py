@@ -9,7 +9,8 @@ transformers' ``TextIteratorStreamer``.
 
 API (JSON):
 
-- ``GET /api/info`` → ``{"models": [{"name", "path", "context"}], "system_prompt": bool, "defaults": {...}}``
+- ``GET /api/info`` → ``{"models": [{"name", "role", "path", "context"}], "system_prompt": bool, "defaults": {...}}``
+  (``role``: what the model is, e.g. ``RLHF (step 3, ppo)`` or ``SFT (step 1)``, from its run marker)
 - ``POST /api/chat`` with ``{"model": index, "messages": [{"role", "content"}, ...], "max_new_tokens",
   "temperature" (0: greedy), "top_p", "top_k", "repetition_penalty"}`` → ``text/event-stream`` of
   ``{"delta": text}`` events and a last ``{"done": true, "answer": text, "dropped_turns": n}``. A bad
@@ -22,6 +23,7 @@ import json
 import threading
 from pathlib import Path
 
+from chatrl.checkpoint import RUN_MARKER
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
 from chatrl.models import load_tokenizer, stop_token_ids
@@ -29,18 +31,40 @@ from chatrl.models import load_tokenizer, stop_token_ids
 ROLES = ("system", "user", "assistant")
 
 
+def model_role(path: str) -> str | None:
+    """What a model folder is, from the run marker chatrl wrote beside it (in it, or in its parent for
+    step 3's ``actor/``): ``SFT (step 1)``, ``DPO (step 2)``, ``RLHF (step 3, grpo)``,
+    ``RLHF EMA (step 3, ppo)``; None when no marker says."""
+    folder = Path(path)
+    for where in (folder, folder.parent):
+        try:
+            marker = json.loads((where / RUN_MARKER).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        step = marker.get("step")
+        if step == 1:
+            return "SFT (step 1)"
+        if step == "2-dpo":
+            return "DPO (step 2)"
+        if step == 3 and where != folder:
+            algorithm = (marker.get("args") or {}).get("rl_algorithm") or "ppo"
+            return f"RLHF{' EMA' if folder.name == 'actor_ema' else ''} (step 3, {algorithm})"
+    return None
+
+
 class ChatModel:
-    """One loaded model folder: tokenizer (left padding), causal LM in eval mode, context window.
+    """One loaded model folder: tokenizer (left padding), causal LM in eval mode, context window, and
+    its role in the pipeline (:func:`model_role`, else ``role``) shown over its column.
 
     Raises:
         OSError / FileNotFoundError: ``path`` holds no loadable model (from transformers / chatrl.models).
     """
 
-    def __init__(self, path: str, device: str, trust_remote_code: bool = False):
+    def __init__(self, path: str, device: str, trust_remote_code: bool = False, role: str = "model"):
         from transformers import AutoModelForCausalLM
 
-
         self.path, self.name = path, _short_name(path)
+        self.role = model_role(path) or role
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).to(device).eval()
         self.device = device
@@ -150,7 +174,8 @@ def build_app(models: list[ChatModel], defaults: dict):
         return HTMLResponse(PAGE)
 
     async def info(request):
-        return JSONResponse({"models": [{"name": m.name, "path": m.path, "context": m.context} for m in models],
+        return JSONResponse({"models": [{"name": m.name, "role": m.role, "path": m.path, "context": m.context}
+                                        for m in models],
                              "system_prompt": all(m.system_prompt for m in models), "defaults": defaults})
 
     async def chat(request):
@@ -186,13 +211,14 @@ def serve(args) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    models = [ChatModel(p, device, args.trust_remote_code) for p in [args.path, args.compare] if p]
+    models = [ChatModel(p, device, args.trust_remote_code, role) for p, role in
+              ((args.path, "model"), (args.compare, "compared model")) if p]
     defaults = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0 if args.greedy else args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "repetition_penalty": args.repetition_penalty,
                 "system_prompt": args.system_prompt}
     app = build_app(models, defaults)
-    print(f"chatrl web chat: http://{args.host}:{args.port}  ({' | '.join(m.path for m in models)}; Ctrl-C stops)",
-          flush=True)
+    print(f"chatrl web chat: http://{args.host}:{args.port}  ({' | '.join(f'{m.role}: {m.path}' for m in models)}; "
+          "Ctrl-C stops)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
@@ -243,7 +269,7 @@ async function init() {
   box.style.gridTemplateColumns = `repeat(${info.models.length}, 1fr)`;
   info.models.forEach((m, i) => {
     const col = el("div", "col"); col.dataset.model = i;
-    col.appendChild(el("h2", null, m.name + ` (context ${m.context})`));
+    col.appendChild(el("h2", null, `${m.role}: ${m.name} (context ${m.context})`));
     const msgs = el("div", "msgs"); col.appendChild(msgs); box.appendChild(col);
     columns.push({history: [], msgs});
   });

@@ -39,7 +39,7 @@ from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
 from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
-from chatrl.tracking import Tracker
+from chatrl.tracking import Tracker, Trend
 from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step3")
@@ -223,7 +223,7 @@ def train(run: Step3Run) -> dict:
         tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
                       f"KL coefficient {kl_ctl.value:.4g})")
     tracker.bar(total_buffers, f"step 3 {s.algorithm.name}", initial=step)
-    t_start, metrics = time.time(), {}
+    t_start, metrics, trend = time.time(), {}, Trend()
     while step < total_buffers:
         it = batches_from(run.loader, step, steps_per_epoch, s.rollout.generation_batches)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
@@ -259,9 +259,12 @@ def train(run: Step3Run) -> dict:
                            **({"critic_lr": engines.critic.get_lr()[0]} if engines.critic is not None else {}),
                            samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),
                            elapsed_min=(time.time() - t_start) / 60)
+            trend.add(metrics)
             if step % s.log.log_interval == 0 or step == total_buffers:
                 tracker.log(metrics, step)
             tracker.advance()
+            if step % plan.print_answers_interval == 0 or step == total_buffers:  # the console's trend line
+                tracker.write(trend.line(f"step 3 ({s.algorithm.name}) at step {step}/{total_buffers}"))
             if step % plan.print_answers_interval == 0 or step == 1:  # one rollout for the report (and console)
                 p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
                 a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]

@@ -170,3 +170,25 @@ def test_web_chat_request_checks():
                         ({"messages": msgs, "top_p": "high"}, "top_p"), ([], "JSON object")]:
         with pytest.raises(ValueError, match=field):
             check_request(body, 2, 512)
+
+
+def test_web_chat_columns_say_which_model_is_rlhf_and_which_sft(tmp_path):
+    """The web chat's columns were titled by folder only; each now says what its model is, from the
+    run marker chatrl wrote (step 3's actor/ has it in its parent), else the flag that named it."""
+    import json
+
+    from chatrl.checkpoint import RUN_MARKER
+    from chatrl.web_chat import model_role
+
+    out = tmp_path / "output"
+    for folder, marker in (("step1_actor", {"step": 1}), ("step3_rlhf", {"step": 3, "args": {"rl_algorithm": "grpo"}}),
+                           ("step2_dpo", {"step": "2-dpo"}), ("ppo", {"step": 3, "args": {}})):
+        (out / folder).mkdir(parents=True)
+        (out / folder / RUN_MARKER).write_text(json.dumps(marker))
+    (out / "step3_rlhf" / "actor").mkdir()
+    assert model_role(str(out / "step3_rlhf" / "actor")) == "RLHF (step 3, grpo)"
+    assert model_role(str(out / "step3_rlhf" / "actor_ema")) == "RLHF EMA (step 3, grpo)"
+    assert model_role(str(out / "ppo" / "actor")) == "RLHF (step 3, ppo)"
+    assert model_role(str(out / "step1_actor")) == "SFT (step 1)"
+    assert model_role(str(out / "step2_dpo")) == "DPO (step 2)"
+    assert model_role(str(out / "step3_rlhf")) is None and model_role(str(tmp_path / "nope")) is None

@@ -38,3 +38,36 @@ def test_other_ranks_write_nothing(tmp_path):
     t.resumed_at(0)
     t.close()
     assert not (tmp_path / "logs").exists()
+
+
+def test_results_line_of_each_step_and_the_pipeline_summary(tmp_path):
+    """train.py ended without results; its last lines now give each step's results, read from the
+    step's metrics log (the demo's step-3 log: 40 rows), and step 3 writes the same trend line."""
+    from pathlib import Path
+
+    from chatrl.tracking import METRICS_FILE, Trend, read_metrics, results_line
+    from tests.unit.test_entry_points import train
+
+    demo = read_metrics(Path(__file__).parents[1] / "data" / "demo_step3_metrics.jsonl")
+    assert results_line(demo) == "score 0.294 → 0.311, KL max 1.473 nats, EOS rate 0.47 → 0.69"
+    step1 = [{"step": 0, "eval/loss": 3.79, "eval/ppl": 44.24}, {"step": 5, "train/loss": 2.5},
+             {"step": 114, "eval/ppl": 10.81}, {"step": 114, "eval/eos_rate": 0.9375}]
+    assert results_line(step1) == "eval perplexity 44.24 → 10.81, greedy answers ending their turn 93.8%"
+    step2 = [{"step": 0, "eval/accuracy": 0.486}, {"step": 91, "eval/accuracy": 0.569, "eval/margin": 0.007}]
+    assert results_line(step2) == "eval accuracy 0.486 → 0.569"
+    assert results_line([{"step": 1, "eval/ppl": float("nan")}]) == ""
+    trend = Trend()
+    for row in demo[:10]:
+        trend.add(row)
+    assert trend.line("step 3 (ppo) at step 10/40") == "step 3 (ppo) at step 10/40: " + results_line(demo[:10])
+    runs = []
+    for n, rows in ((1, step1), (2, step2), (3, demo)):
+        folder = tmp_path / f"step{n}"
+        (folder / METRICS_FILE).parent.mkdir(parents=True)
+        (folder / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(train.StepRun(n, train.STEP_NAMES[n], "", folder, [], False))
+    runs.append(train.StepRun(3, "RLHF, grpo", "", tmp_path / "nothing", [], False))
+    assert train.results_summary(runs) == [
+        "results:", "  step 1 (supervised fine-tuning): eval perplexity 44.24 → 10.81, greedy answers ending their "
+        "turn 93.8%", "  step 2 (reward model): eval accuracy 0.486 → 0.569",
+        "  step 3 (RLHF): score 0.294 → 0.311, KL max 1.473 nats, EOS rate 0.47 → 0.69"]

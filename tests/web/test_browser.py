@@ -105,6 +105,10 @@ def test_web_chat_streams_answers_side_by_side(browser, chat_server):
     page = open_page(browser, url)
     page.wait_for_selector("body[data-ready='1']", timeout=30_000)
     assert page.locator(".col").count() == 2
+    # each column says which model it is (from chatrl's run marker; these folders have none: the flags)
+    assert [m["role"] for m in info["models"]] == ["model", "compared model"]
+    assert page.locator(".col h2").nth(0).inner_text().startswith("model: ")
+    assert page.locator(".col h2").nth(1).inner_text().startswith("compared model: ")
     assert page.locator("#system-box").is_visible()  # the Human/Assistant convention takes a system prompt
     page.fill("#system", "Tell short stories.")
     page.fill("#input", "Tell me a story about a cat.")
