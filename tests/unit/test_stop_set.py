@@ -67,6 +67,16 @@ def test_exports_keep_the_declared_stop_ids_and_plain_generate_stops_there(stori
     assert out.shape[1] - ids.shape[1] == TAIL and out[0, -1].item() == 1
 
 
+def eos_rate_of(exp, stops) -> float:
+    """Step 3's logged ``eos_rate`` of one buffer (one rank), as the loop computes it."""
+    from chatrl.rl.stats import PooledStats
+    from chatrl.step3_ppo.trainer import summarize
+
+    stats = PooledStats()
+    summarize(exp, 0.0, stops, stats)
+    return stats.finish()["eos_rate"]
+
+
 class ActorEngine(torch.nn.Module):
     """The parts of a ZeRO-0 DeepSpeed engine that the hybrid engine and the trainer use."""
 
@@ -95,7 +105,7 @@ def step3_settings(*flags):
 def test_step3_rollout_mask_penalty_and_eos_rate_use_the_declared_stop(stories, hybrid):
     from chatrl.rewards import FunctionReward, WeightedReward
     from chatrl.step3_ppo.main import make_generate
-    from chatrl.step3_ppo.trainer import Trainer, summarize
+    from chatrl.step3_ppo.trainer import Trainer
 
     tok, model, ids = stories
     s = step3_settings("--rl_algorithm", "grpo", "--num_samples_per_prompt", "2", "--penalty_no_eos", "1.0",
@@ -111,7 +121,7 @@ def test_step3_rollout_mask_penalty_and_eos_rate_use_the_declared_stop(stories, 
     assert answer[0, TAIL - 1].item() == 1 and (answer[:, TAIL:] == tok.pad_token_id).all()
     assert exp.scores.tolist() == [0.5, 0.5]  # no --penalty_no_eos: the answers ended
     exp.kl, exp.entropy = torch.zeros_like(exp.sampler_logp), torch.zeros_like(exp.sampler_logp)
-    assert summarize(exp, 0.0, trainer.stops)["eos_rate"].item() == 1.0
+    assert eos_rate_of(exp, trainer.stops) == 1.0
 
 
 def test_eos_checks_and_web_chat_use_the_declared_stop(stories):
@@ -133,7 +143,7 @@ def test_one_definition_of_an_ended_answer_with_chatml():
     for answers that all ended their turn, against the tokenizer's EOS alone)."""
     from chatrl.rewards import FunctionReward, WeightedReward
     from chatrl.step3_ppo.main import make_generate
-    from chatrl.step3_ppo.trainer import Trainer, summarize
+    from chatrl.step3_ppo.trainer import Trainer
 
     tok = load_tokenizer(str(TOKENIZERS / "qwen2"), padding_side="left")
     im_end, eot, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id, tok.pad_token_id
@@ -171,4 +181,4 @@ def test_one_definition_of_an_ended_answer_with_chatml():
     assert (exp.sequences[0, 3 + 3:] == pad).all()
     assert exp.scores.tolist() == [1.0, 1.0, -1.0, 1.0]  # the penalty only where no stop token came
     exp.kl, exp.entropy = torch.zeros(4, 5), torch.zeros(4, 5)
-    assert summarize(exp, 0.0, trainer.stops)["eos_rate"].item() == 0.75
+    assert eos_rate_of(exp, trainer.stops) == 0.75
