@@ -81,9 +81,10 @@ def size_in_billions(name: str) -> float:
     return float(m.group(1)) / (1000.0 if m.group(2) == "m" else 1.0)
 
 
-Presets = dict[int, dict]
+Presets = dict[int | str, dict]
 """Per step, ``{flag name: value}`` (``True`` a bare switch, ``False``/``None`` omitted, a list its items):
-presets stay data until :func:`command_flags` writes them as a command line."""
+presets stay data until :func:`command_flags` writes them as a command line. An optional ``"dpo"``
+entry overrides step 1's settings for ``--step2-method dpo`` (:func:`dpo_plan`)."""
 
 
 def step_parsers() -> dict[int, argparse.ArgumentParser]:
@@ -151,7 +152,8 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
              "save_interval": 10}
-    return model, model, {1: step1, 2: step2, 3: step3}
+    # --step2-method dpo: DPO takes step 1's settings; its warm-up stays the 10 steps of its 46 it always had
+    return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
 
 
 @dataclass
@@ -212,15 +214,15 @@ def dpo_plan(out: Path, presets: Presets, dirs: dict, models: Presets, steps: li
     """Re-plan step 2 as DPO of the step-1 actor (``chatrl.step2_dpo`` into ``OUTPUT/step2_dpo``), in place;
     returns the steps to run (step 3 dropped: the DPO model is the chat model). The DPO step uses
     step 1's actor settings (ZeRO stage, LoRA, batch sizes) on step 2's preference data, with
-    :data:`DPO_DEFAULTS` and a learning rate a tenth of step 1's (names checked against the DPO
-    parser when the command line is written)."""
+    :data:`DPO_DEFAULTS`, a learning rate a tenth of step 1's and the preset's own ``"dpo"`` entries
+    (names checked against the DPO parser when the command line is written)."""
     if 3 in steps:
         print("train.py: --step2-method dpo stops after step 2 (the DPO model is the chat model); step 3 is skipped",
               flush=True)
     step1 = presets[1]
     lr = float(step1["learning_rate"]) / 10 if step1.get("learning_rate") is not None else 5e-6
     presets[2] = {**step1, **{k: v for k, v in presets[2].items() if k in ("data_path", "data_split")},
-                  "learning_rate": f"{lr:g}", **DPO_DEFAULTS}
+                  "learning_rate": f"{lr:g}", **DPO_DEFAULTS, **presets.get("dpo", {})}
     dirs[2] = out / "step2_dpo"
     models[2] = {"model_name_or_path": str(dirs[1])}
     return [s for s in steps if s != 3]

@@ -97,8 +97,8 @@ def test_missing_local_data_path_is_refused_at_parse_time(tmp_path):
 
 def test_demo_plan_uses_each_data_set_once_per_step(tmp_path):
     _, _, presets = train.demo_plan(tmp_path)
-    for step, values in presets.items():
-        paths = values["data_path"]
+    for step in (1, 2, 3):
+        paths = presets[step]["data_path"]
         assert len(paths) == len(set(paths)), (step, paths)
     assert any("alpaca" in p for p in presets[1]["data_path"]) and not any("alpaca" in p for p in presets[2]["data_path"])
 
@@ -237,3 +237,19 @@ def test_train_py_reads_local_paths_from_the_callers_folder(tmp_path):
     assert f"--reward_fn {data / 'my_reward.py'}:score mypkg.mod:fn exact_match " in step3
     assert f"--unsupervised_dataset_name {data / 'ptx.jsonl'} --reward_fn 0.5*{data / 'my_reward.py'}:score" in step3
     assert f"--tensorboard_path={data / 'tb'} --critic_model_name_or_path facebook/opt-350m" in step3
+
+
+def test_demo_warmups_are_fractions_that_keep_the_demos_steps_and_fit_a_short_run(tmp_path):
+    """The demo's warm-ups were 10 / 10 / 5 steps (and DPO's 10): presets the steps saw as given values,
+    so `--preset demo --step3-args "--max_steps 3"` was refused. As fractions of each run they give the
+    same steps on the demo's runs (114, 91, 40; DPO 46) and fit any shorter one."""
+    from chatrl.sizes import warmup_steps
+
+    _, _, presets = train.demo_plan(tmp_path)
+    dirs, models = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}, {1: {}, 2: {}, 3: {}}
+    for step, total, before in ((1, 114, 10), (2, 91, 10), (3, 40, 5)):
+        fraction = presets[step]["num_warmup_steps"]
+        assert warmup_steps(fraction, 0, total, "steps") == (before, None)
+        assert warmup_steps(fraction, 0, 3, "steps")[0] < 3
+    train.dpo_plan(tmp_path, presets, dirs, models, [1, 2])
+    assert warmup_steps(presets[2]["num_warmup_steps"], 0, 46, "steps") == (10, None)
