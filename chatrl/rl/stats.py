@@ -87,7 +87,8 @@ def _finish(kind: str, s: list[float]) -> float:
         if not n:
             return math.nan
         mean = total / n
-        return math.sqrt(max(sq / n - mean * mean, 0.0))
+        var = sq / n - mean * mean
+        return 0.0 if var <= 1e-12 * mean * mean else math.sqrt(var)  # a constant's moments round in float64
     n, r, r2, d, d2 = s
     if not n:
         return math.nan

@@ -74,7 +74,7 @@ def test_report_of_a_three_step_output(tmp_path):
     assert heads["greedy answers ending with EOS"] == "87.5%"
     assert heads["reward model eval accuracy (chosen > rejected)"] == "0.450 → 0.610"
     # score mean of steps 1-3: 0.22; of steps 3-12: 0.275
-    assert heads["reward-model score (mean of the first 3 steps → of the last 10)"] == "0.220 → 0.275"
+    assert heads["score: the weighted reward (mean of the first 3 steps → of the last 10)"] == "0.220 → 0.275"
     assert heads["time split (logged per-step timers)"] == "generate 75%, train 25%"  # 6 × (3 + 3.3) against 6 × (1 + 1.1)
     assert heads["constant over the run (not charted)"] == "reward/mean = 0.2, reward/score_std = 0.1"
     assert dict(headlines(s3))["state"].startswith("unfinished") and dict(headlines(s2))["state"] == "finished"

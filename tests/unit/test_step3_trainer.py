@@ -206,4 +206,7 @@ def test_pooled_statistics_are_those_of_the_global_batch():
     assert abs((alone[0]["entropy"] + alone[1]["entropy"]) / 2 - got["entropy"]) > 1e-3
     constant = PooledStats()
     constant.add_explained_variance("ev", values, torch.full((6, 4), 3.217), mask)
-    assert math.isnan(constant.finish()["ev"])  # returns that do not vary: NaN, as core.explained_variance
+    constant.add_std("std", torch.full((7,), 3.217, dtype=torch.float32))
+    finished = constant.finish()
+    assert math.isnan(finished["ev"])  # returns that do not vary: NaN, as core.explained_variance
+    assert finished["std"] == 0.0  # a constant batch has no spread, whatever its float rounding
