@@ -16,6 +16,7 @@ import torch
 from chatrl.config import LoraConfig
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
+from chatrl.packing import BLOCK_MASK, PackedRows, attention_style, block_diagonal_mask
 
 log = logging.getLogger(__name__)
 
@@ -320,18 +321,53 @@ def accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(type(hf).forward).parameters
 
 
-def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     logits_to_keep: int = 0) -> torch.Tensor:
+def packed_inputs(model, packed: PackedRows) -> dict:
+    """Forward arguments of packed rows (:mod:`chatrl.packing`) for ``model``: the rows' ids, position
+    ids that restart at each sequence, and the attention mask of the model's family: ``None`` where
+    attention reads packed rows from the position ids (Llama, Qwen2), the 4-D block-diagonal mask
+    (:func:`chatrl.packing.block_diagonal_mask`, in the model's dtype) for OPT.
+
+    Raises:
+        UsageError: a family or attention implementation packing does not support
+            (:func:`chatrl.packing.attention_style`).
+    """
+    hf = base_model(getattr(model, "module", model))
+    cfg = hf.config
+    style = attention_style(getattr(cfg, "model_type", None), getattr(cfg, "_attn_implementation", None),
+                            getattr(cfg, "name_or_path", None) or type(hf).__name__)
+    mask = None
+    if style == BLOCK_MASK:
+        mask = block_diagonal_mask(packed.seq_ids, next(hf.parameters()).dtype)
+    return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": mask}
+
+
+def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   packed: PackedRows | None = None) -> dict:
+    """``model``'s forward arguments for a padded batch (position ids from the mask, any padding side)
+    or, with ``packed``, for its rows (:func:`packed_inputs`; ``input_ids`` must be its rows then)."""
+    if packed is not None:
+        if input_ids is not packed.input_ids and not torch.equal(input_ids, packed.input_ids):
+            raise ValueError("forward_inputs: input_ids are not the packed rows' ids")
+        return packed_inputs(model, packed)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask)}
+
+
+def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     logits_to_keep: int = 0, packed: PackedRows | None = None) -> torch.Tensor:
     """Logits ``(B, T, V)`` of ``model`` with position ids from the mask (padding-side invariant).
 
     ``logits_to_keep > 0`` returns only the last ``logits_to_keep`` positions, ``(B, logits_to_keep, V)``:
     the LM head (for a small model with a large vocabulary the largest matmul of the forward and
     backward passes) then runs on those rows only. Models whose forward lacks HF's
     ``logits_to_keep`` compute all positions and are sliced (the same values).
+
+    With ``packed`` (:class:`chatrl.packing.PackedRows`; ``input_ids`` its rows ``(R, W)``,
+    ``attention_mask`` ignored) the logits are those of the rows, ``(R, W, V)``: each sequence's
+    equal its own padded logits.
     """
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and accepts_logits_to_keep(model) else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kwargs)
+    out = model(**forward_inputs(model, input_ids, attention_mask, packed), use_cache=False, **kwargs)
     return out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
 
 
@@ -349,24 +385,47 @@ def head_is_plain(model) -> bool:
             and not any(getattr(cfg, k, None) not in (None, 0, 1, 1.0) for k in _HEAD_OUTPUT_TRANSFORMS))
 
 
-def labelled_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logits_at(model, rows: torch.Tensor, cols: torch.Tensor, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | None, packed: PackedRows | None = None) -> torch.Tensor:
+    """The logits of the positions ``(rows[i], cols[i])`` only, ``(M, V)`` in the model's dtype.
+
+    The body runs once through ``model``'s own forward (so DeepSpeed's hooks and peft's adapters
+    apply as usual) with HF's ``logits_to_keep=1`` and ``output_hidden_states``, and the LM head
+    runs on the ``M`` selected hidden states: for a small model with a large vocabulary the head is
+    the largest matmul of the forward and backward passes. The head input is the last hidden state,
+    which equals what the model's own head reads for the families of :func:`head_is_plain` (tested
+    for OPT, Llama and Qwen2). Models that fail that check, or lack ``logits_to_keep``, compute full
+    logits and are indexed (the same values).
+
+    Args:
+        model: an HF causal LM, possibly under a DeepSpeed engine or peft wrapper.
+        rows, cols: ``(M,)`` long positions in ``input_ids``.
+        input_ids, attention_mask, packed: as :func:`causal_lm_logits`.
+    """
+    inputs = forward_inputs(model, input_ids, attention_mask, packed)
+    if not (head_is_plain(model) and accepts_logits_to_keep(model)):
+        return model(**inputs, use_cache=False).logits[rows, cols]
+    out = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+    head = base_model(getattr(model, "module", model)).get_output_embeddings()
+    return head(out.hidden_states[-1][rows, cols])
+
+
+def labelled_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                          packed: PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of the positions whose next token carries a label, and those labels, flattened.
 
-    The LM head runs on those ``N`` rows only: for a small model with a large vocabulary it is the
-    largest matmul of the forward and backward passes, and with the prompt masked most positions
-    carry no loss (step 1 on helpful-base: about a quarter of them do; 4-5x faster forward, loss
-    and backward at a 50k vocabulary). The body runs once through ``model``'s own forward (so
-    DeepSpeed's hooks and peft's adapters apply as usual) with HF's ``logits_to_keep=1`` and
-    ``output_hidden_states``; the head input is the last hidden state, which equals what the
-    model's own head reads for the families of :func:`head_is_plain` (tested for OPT, Llama and
-    Qwen2). Models that fail that check, or lack ``logits_to_keep``, compute full logits and are
-    selected (the same values).
+    The LM head runs on those ``N`` rows only (:func:`token_logits_at`): with the prompt masked most
+    positions carry no loss (step 1 on helpful-base: about a quarter of them do; 4-5x faster
+    forward, loss and backward at a 50k vocabulary).
 
     Args:
         model: an HF causal LM, possibly under a DeepSpeed engine or peft wrapper.
         input_ids, attention_mask: ``(B, T)``; position ids follow the mask (any padding side).
         labels: ``(B, T)`` aligned with the inputs (not shifted); ``ignore_index`` marks no loss.
+        packed: packed rows (:class:`chatrl.packing.PackedRows`): ``input_ids`` and ``labels`` are
+            ``(R, W)`` rows, ``attention_mask`` is ignored; the first token of each sequence is
+            never a target (nothing of its own sequence predicts it).
 
     Returns:
         ``(logits, targets)``: ``(N, V)`` in the model's dtype and ``(N,)`` long, where ``N`` counts
@@ -378,15 +437,11 @@ def labelled_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.
     """
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ")
+    if packed is not None:
+        labels = labels.index_put((packed.row, packed.start), labels.new_tensor(ignore_index))
     targets = labels[:, 1:]
-    keep = targets != ignore_index
-    if not (head_is_plain(model) and accepts_logits_to_keep(model)):
-        return causal_lm_logits(model, input_ids, attention_mask)[:, :-1][keep], targets[keep]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False, logits_to_keep=1, output_hidden_states=True)
-    hidden = out.hidden_states[-1][:, :-1][keep]
-    head = base_model(getattr(model, "module", model)).get_output_embeddings()
-    return head(hidden), targets[keep]
+    rows, cols = (targets != ignore_index).nonzero(as_tuple=True)
+    return token_logits_at(model, rows, cols, input_ids, attention_mask, packed), targets[rows, cols]
 
 
 def special_token_texts(tokenizer) -> list[str]:

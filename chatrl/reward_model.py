@@ -40,10 +40,11 @@ from chatrl.models import (
     apply_lora,
     base_model,
     fit_embeddings,
+    forward_inputs,
     lora_enabled,
-    position_ids_from_mask,
     torch_dtype,
 )
+from chatrl.packing import PackedRows
 from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
@@ -165,26 +166,30 @@ class RewardModel(nn.Module):
         """The backbone's HF config."""
         return base_model(self.hf).config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RewardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                packed: PackedRows | None = None) -> RewardOutput:
         """Score every position and read each sequence's score at its last real token.
 
         Args:
             input_ids: ``(B, T)`` token ids, padded on either side.
             attention_mask: ``(B, T)``, 1 on real tokens, 0 on pads.
+            packed: packed rows (:class:`chatrl.packing.PackedRows`) instead of a padded batch:
+                ``input_ids`` are its rows ``(R, W)`` and ``attention_mask`` is ignored.
 
         Returns:
             :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in the model's dtype;
-            ``values`` is 0 at pad positions.
+            ``values`` is 0 at pad positions. With ``packed``: ``values (R, W)`` (0 on the rows'
+            trailing pads) and ``end_scores (N,)``, one per packed sequence in its order, each
+            equal to the sequence's padded end score.
         """
         inner = base_model(self.hf)
         backbone = getattr(inner, inner.base_model_prefix)
-        out = backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+        out = backbone(**forward_inputs(self, input_ids, attention_mask, packed), use_cache=False)
         values = getattr(inner, HEAD)(out.last_hidden_state).squeeze(-1)
+        if packed is not None:
+            last = packed.last_slots()
+            values = values.masked_fill(packed.seq_ids < 0, 0.0)
+            return RewardOutput(values, values[last.rows, last.cols])
         values = values.masked_fill(attention_mask == 0, 0.0)
         return RewardOutput(values, gather_end_scores(values, attention_mask))
 
