@@ -311,6 +311,27 @@ class RewardConfig:
 
 
 @dataclass
+class PackingConfig:
+    """Padding-free training (docs/packing.md)."""
+
+    packing: bool = setting(False, "lay the sequences of each training micro-batch end to end in rows, position ids "
+                                   "restarting at each sequence: no padding is computed and every per-sequence "
+                                   "number equals the padded batch's (model families opt, llama, qwen2; generation "
+                                   "keeps its padded decode)")
+    max_tokens_per_micro_batch: int = setting(0, "cut each optimizer step's samples into consecutive micro-batches "
+                                                 "of at most this many tokens (packed: their sum; padded: count x "
+                                                 "longest; a longer sample goes alone) instead of a fixed number of "
+                                                 "samples each; the step's samples, its loss and its gradient stay "
+                                                 "the same (0: --per_device_train_batch_size / "
+                                                 "--per_device_training_batch_size samples each)", unit="tokens")
+
+    def __post_init__(self):
+        """Raises: ValueError: a negative ``--max_tokens_per_micro_batch``."""
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"--max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
+
+
+@dataclass
 class LogConfig:
     """Output folder, metrics and progress."""
 
@@ -517,6 +538,7 @@ class TrainingSettings:
     batch: BatchConfig = uses(BatchConfig)
     optim: OptimConfig = uses(OptimConfig)
     zero: ZeroConfig = uses(ZeroConfig, only=("zero_stage", "offload", "local_rank"))
+    packing: PackingConfig = uses(PackingConfig)
     log: LogConfig = uses(LogConfig)
     ckpt: CheckpointConfig = uses(CheckpointConfig)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from chatrl.config import LoraConfig
+from chatrl.config import LoraConfig, PackingConfig
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.packing import BLOCK_MASK, PackedRows, attention_style, block_diagonal_mask
@@ -571,3 +571,27 @@ def check_context_window(path, budgets: dict[str, int], trust_remote_code: bool 
             raise UsageError(f"{flag} {tokens} exceeds the context window of {path} ({window} positions, "
                              f"its config's max_position_embeddings); lower {flag.split(' + ')[0]}")
     return window
+
+
+def check_packing(packing: PackingConfig, path, trust_remote_code: bool = False) -> None:
+    """Refuse ``--packing`` for a model family it does not support, before anything is loaded.
+
+    Args:
+        packing: the program's :class:`chatrl.config.PackingConfig` (nothing is checked without ``--packing``).
+        path: the model folder or hub name (only its config is read), or a list of them (``None``
+            entries and repeats are skipped).
+
+    Raises:
+        UsageError: naming the model and its family (:func:`chatrl.packing.attention_style`).
+        FileNotFoundError / OSError: as :func:`load_causal_lm` for a path without a config.
+    """
+    from transformers import AutoConfig
+
+    if not packing.packing:
+        return
+    for p in [path] if isinstance(path, str) else [p for p in dict.fromkeys(path) if p is not None]:
+        try:
+            config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise _load_error(p, "model", err) from err
+        attention_style(getattr(config, "model_type", None), what=p)

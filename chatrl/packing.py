@@ -172,7 +172,8 @@ def pack(seqs: Sequence, pad_token_id: int, row_tokens: int = 0) -> PackedRows:
         row_tokens: the row width to fill up to (0: the longest sequence's length).
 
     Returns:
-        :class:`PackedRows`; ``row``, ``start``, ``length`` are in the order of ``seqs``.
+        :class:`PackedRows` on the device of the first sequence; ``row``, ``start``, ``length`` are in
+        the order of ``seqs``.
 
     Raises:
         ValueError: no sequences, an empty sequence, or a ``pad_token_id`` of None.
@@ -194,16 +195,17 @@ def pack(seqs: Sequence, pad_token_id: int, row_tokens: int = 0) -> PackedRows:
             fill.append(0)
         place[i] = (r, fill[r])
         fill[r] += lengths[i]
-    width = max(fill)
-    input_ids = torch.full((len(fill), width), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((len(fill), width), dtype=torch.long)
-    seq_ids = torch.full((len(fill), width), -1, dtype=torch.long)
+    width, device = max(fill), ids[0].device
+    input_ids = torch.full((len(fill), width), pad_token_id, dtype=torch.long, device=device)
+    position_ids = torch.zeros((len(fill), width), dtype=torch.long, device=device)
+    seq_ids = torch.full((len(fill), width), -1, dtype=torch.long, device=device)
     for i, (t, (r, s)) in enumerate(zip(ids, place, strict=True)):
         input_ids[r, s:s + lengths[i]] = t
-        position_ids[r, s:s + lengths[i]] = torch.arange(lengths[i])
+        position_ids[r, s:s + lengths[i]] = torch.arange(lengths[i], device=device)
         seq_ids[r, s:s + lengths[i]] = i
-    row, start = (torch.tensor(v, dtype=torch.long) for v in zip(*place, strict=True))
-    return PackedRows(input_ids, position_ids, seq_ids, row, start, torch.tensor(lengths, dtype=torch.long))
+    row, start = (torch.tensor(v, dtype=torch.long, device=device) for v in zip(*place, strict=True))
+    return PackedRows(input_ids, position_ids, seq_ids, row, start, torch.tensor(lengths, dtype=torch.long,
+                                                                                  device=device))
 
 
 def block_diagonal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -302,3 +304,36 @@ def micro_batch_groups(units: Sequence[Sequence[int]], per_micro_batch: int, max
     if all_reduce_max is not None:
         groups = split_to_count(groups, int(all_reduce_max(torch.tensor(float(len(groups))))))
     return groups
+
+
+def pack_rollouts(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, pad_token_id: int,
+                  row_tokens: int = 0) -> tuple[PackedRows, Slots]:
+    """Step-3 rollouts as packed rows of their real tokens, and the slots whose outputs belong to the answer.
+
+    A rollout in the experience layout is a left-padded prompt of width ``P`` followed by its answer,
+    right-padded to width ``A`` (its mask there is the action mask: the answer up to and including
+    its first stop token). Packed, rollout ``b`` is its ``p_b`` real prompt tokens then its ``a_b``
+    answer tokens; slot ``(b, j)`` of the returned :class:`Slots` is the position just before answer
+    token ``j``, whose logits predict that token and whose value is V(state before token ``j``):
+    the packed counterpart of column ``P - 1 + j`` of the padded rows.
+
+    Args:
+        sequences, attention_mask: ``(B, P + A)`` (:class:`chatrl.step3_ppo.trainer.Experience`).
+        prompt_len: ``P``. pad_token_id, row_tokens: as :func:`pack`.
+
+    Returns:
+        ``(packed, slots)``: ``B`` sequences; ``slots`` of ``sum(a_b)`` entries, ``slots.offset`` the
+        answer column ``j``.
+
+    Raises:
+        ValueError: a rollout without a prompt token, or whose answer mask is not a prefix.
+    """
+    mask = attention_mask > 0
+    prompt, answer = mask[:, :prompt_len].sum(-1), mask[:, prompt_len:].sum(-1)
+    if bool((prompt < 1).any()):
+        raise ValueError("pack_rollouts: a rollout has no prompt token")
+    if mask.shape[1] > prompt_len and bool((mask[:, prompt_len:].long().cumsum(-1).gather(-1, (answer - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+             != answer).any()):
+        raise ValueError("pack_rollouts: an answer's mask is not a prefix of its answer columns")
+    packed = pack([s[m] for s, m in zip(sequences, mask, strict=True)], pad_token_id, row_tokens)
+    return packed, packed.slots(prompt - 1, answer)

@@ -88,6 +88,15 @@ def gather_end_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> tor
     return values.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
+def pairwise_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
+    """Bradley–Terry loss of each pair, ``-log σ(chosen - rejected - margin)``: ``(B,)`` float32
+    (see :func:`pairwise_loss`, their mean)."""
+    diff = chosen.float() - rejected.float()
+    if margin is not None:
+        diff = diff - margin.to(diff)
+    return -F.logsigmoid(diff)
+
+
 def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
     """Mean Bradley–Terry loss over pairs: ``mean(-log σ(chosen - rejected - margin))``.
 
@@ -103,10 +112,7 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
     Returns:
         A scalar tensor.
     """
-    diff = chosen.float() - rejected.float()
-    if margin is not None:
-        diff = diff - margin.to(diff)
-    return -F.logsigmoid(diff).mean()
+    return pairwise_losses(chosen, rejected, margin).mean()
 
 
 def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:

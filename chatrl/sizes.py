@@ -151,7 +151,8 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
              gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: float | None,
              ptx: bool, algorithm: Algorithm, num_samples_per_prompt: int = 1,
              loss_agg_mode: str = "micro-batch-token-mean", kl_horizon: float | None = None,
-             adaptive_kl: bool = False, print_answers_interval: int | None = None) -> PPOPlan:
+             adaptive_kl: bool = False, print_answers_interval: int | None = None,
+             max_tokens_per_micro_batch: int = 0) -> PPOPlan:
     """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
 
     Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
@@ -172,6 +173,12 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     steps), the adaptive KL controller's horizon (:data:`KL_HORIZON` rollouts, or the run's rollouts
     when fewer; noted with ``adaptive_kl``) and the report's sampling interval
     (:data:`PRINT_ANSWERS_INTERVAL` steps, or a quarter of a shorter run).
+
+    With ``max_tokens_per_micro_batch`` (micro-batches cut by token budget within each optimizer
+    step, :mod:`chatrl.packing`) the sizes above still define the steps (``gradient_accumulation_steps
+    × per_device_training_batch_size`` rollouts each); the loss aggregation must be a global one
+    (the step settings adapt an unset one) and the PTX loss, whose micro-steps interleave the
+    policy's, is not supported.
 
     Raises:
         ValueError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
@@ -217,6 +224,12 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                          f"{micro_per_buffer} training micro-batches of an experience buffer (--generation_batches "
                          f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
                          "generation batch): an optimizer step would straddle two buffers; choose a divisor")
+    if max_tokens_per_micro_batch and not global_mode:
+        raise ValueError(f"--max_tokens_per_micro_batch needs a global --loss_agg_mode ({', '.join(GLOBAL_LOSS_AGG_MODES)}), "
+                         f"got {loss_agg_mode}: a per-micro-batch mean depends on how the step is cut")
+    if max_tokens_per_micro_batch and ptx:
+        raise ValueError("--max_tokens_per_micro_batch does not combine with the PTX loss (--unsupervised_dataset_name): "
+                         "its micro-steps interleave the policy's; drop one of them")
     if ptx and global_mode and gradient_accumulation_steps > 1:
         raise ValueError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} needs "
                          f"--gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX micro-step "

@@ -1,7 +1,12 @@
-"""Collators: lists of token examples → padded ``(B, T)`` batches with masks from lengths.
+"""Collators: lists of token examples → padded ``(B, T)`` batches with masks from lengths, or packed
+rows (:mod:`chatrl.packing`); an optimizer step's examples → its micro-batches (:class:`MicroBatches`).
 
 Masks are built from each row's length, never by comparing ids with ``pad_token_id`` (OPT's
 BOS equals its EOS, and a pad equal to EOS would hide the real end of an answer).
+
+A packed batch holds ``"packed"`` (:class:`chatrl.packing.PackedRows`), its rows as ``"input_ids"``
+``(R, W)`` and ``"attention_mask": None``: the forward helpers (:func:`chatrl.models.causal_lm_logits`,
+:class:`chatrl.reward_model.RewardModel`) read the rows' positions and mask from ``"packed"``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from chatrl.logprobs import IGNORE_INDEX
+from chatrl.packing import micro_batch_groups, pack
 
 
 def _as_ids(x) -> torch.Tensor:
@@ -57,10 +63,17 @@ class SFTCollator:
     Items are ``{"input_ids": (T_i,), "prompt_len": int}``.
     """
 
+    packs = False
+
     def __init__(self, pad_token_id: int, mask_prompt: bool = True, padding_side: str = "right"):
         self.pad_token_id = pad_token_id
         self.mask_prompt = mask_prompt
         self.padding_side = padding_side
+
+    @staticmethod
+    def lengths(item: dict) -> tuple[int]:
+        """The token count of the one sequence an item contributes."""
+        return (len(item["input_ids"]),)
 
     def __call__(self, batch: Sequence[dict]) -> dict[str, torch.Tensor]:
         ids, mask, starts = pad_sequences([x["input_ids"] for x in batch], self.pad_token_id, self.padding_side)
@@ -76,14 +89,89 @@ class PairCollator:
     """Phase-2 batches: ``input_ids (2B, T)`` (the ``B`` chosen rows, then the ``B`` rejected rows)
     and ``attention_mask (2B, T)``. Items are ``{"chosen_input_ids", "rejected_input_ids", …}``."""
 
+    packs = False
+
     def __init__(self, pad_token_id: int, padding_side: str = "right"):
         self.pad_token_id = pad_token_id
         self.padding_side = padding_side
+
+    @staticmethod
+    def lengths(item: dict) -> tuple[int, int]:
+        """The token counts of a pair's two sequences (they stay in one micro-batch)."""
+        return len(item["chosen_input_ids"]), len(item["rejected_input_ids"])
 
     def __call__(self, batch: Sequence[dict]) -> dict[str, torch.Tensor]:
         seqs = [x["chosen_input_ids"] for x in batch] + [x["rejected_input_ids"] for x in batch]
         ids, mask, _ = pad_sequences(seqs, self.pad_token_id, self.padding_side)
         return {"input_ids": ids, "attention_mask": mask}
+
+
+class PackedSFTCollator(SFTCollator):
+    """Phase-1 batches as packed rows: ``packed`` (the ``B`` sequences in order), ``input_ids`` its
+    rows ``(R, W)``, ``attention_mask`` None and ``labels (R, W)``: each sequence's labels as
+    :class:`SFTCollator` makes them, its first token unlabelled (nothing of its own sequence
+    predicts it), ``-100`` on the rows' trailing pads. ``row_tokens``: see :func:`chatrl.packing.pack`."""
+
+    packs = True
+
+    def __init__(self, pad_token_id: int, mask_prompt: bool = True, row_tokens: int = 0):
+        super().__init__(pad_token_id, mask_prompt)
+        self.row_tokens = row_tokens
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        packed = pack([x["input_ids"] for x in batch], self.pad_token_id, self.row_tokens)
+        labels = packed.input_ids.masked_fill(packed.seq_ids < 0, IGNORE_INDEX)
+        unlabelled = [int(x["prompt_len"]) if self.mask_prompt else 1 for x in batch]
+        for i, n in enumerate(unlabelled):
+            r, s = int(packed.row[i]), int(packed.start[i])
+            labels[r, s:s + max(n, 1)] = IGNORE_INDEX
+        return {"input_ids": packed.input_ids, "attention_mask": None, "labels": labels, "packed": packed}
+
+
+class PackedPairCollator(PairCollator):
+    """Phase-2 batches as packed rows: ``packed`` holds the ``B`` chosen sequences then the ``B``
+    rejected ones (the order of :class:`PairCollator`'s rows), ``input_ids`` its rows, ``attention_mask`` None."""
+
+    packs = True
+
+    def __init__(self, pad_token_id: int, row_tokens: int = 0):
+        super().__init__(pad_token_id)
+        self.row_tokens = row_tokens
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        packed = pack([x["chosen_input_ids"] for x in batch] + [x["rejected_input_ids"] for x in batch],
+                      self.pad_token_id, self.row_tokens)
+        return {"input_ids": packed.input_ids, "attention_mask": None, "packed": packed}
+
+
+def to_device(batch: dict, device) -> dict:
+    """``batch`` with its tensors and packed rows on ``device`` (``None`` and lists kept); a packed
+    batch's ``input_ids`` stay its rows' ids."""
+    out = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+    if out.get("packed") is not None:
+        out["input_ids"] = out["packed"].input_ids
+    return out
+
+
+class MicroBatches:
+    """One optimizer step's examples (a rank's) → its micro-batches, collated and on ``device``.
+
+    Consecutive groups of ``per_micro_batch`` examples, or with ``max_tokens > 0`` consecutive
+    groups of at most that many tokens, as many on every rank as the rank that needs most
+    (:func:`chatrl.packing.micro_batch_groups`; ``all_reduce_max`` is the maximum over ranks, every
+    rank calls it then). Tokens are counted as ``collate`` lays them out: summed when it packs
+    (``collate.packs``), count × longest when it pads; an example's sequences come from
+    ``collate.lengths(example)``.
+    """
+
+    def __init__(self, collate, per_micro_batch: int, max_tokens: int, device, all_reduce_max=None):
+        self.collate, self.per_micro_batch, self.max_tokens = collate, per_micro_batch, max_tokens
+        self.device, self.all_reduce_max = device, all_reduce_max
+
+    def __call__(self, examples: Sequence[dict]) -> list[dict]:
+        groups = micro_batch_groups([self.collate.lengths(x) for x in examples], self.per_micro_batch,
+                                    self.max_tokens, self.collate.packs, self.all_reduce_max)
+        return [to_device(self.collate([examples[i] for i in g]), self.device) for g in groups]
 
 
 class PromptCollator:

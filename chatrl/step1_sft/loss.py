@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.models import labelled_token_logits
+from chatrl.packing import PackedRows
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,17 +38,20 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     return nll, (shift_labels != IGNORE_INDEX).sum()
 
 
-def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            labels: torch.Tensor, packed: PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_nll` of ``model`` on a batch, with the LM head run on the labelled positions only
     (:func:`chatrl.models.labelled_token_logits`; the same sum up to float32 rounding).
 
     Args:
         model: an HF causal LM, possibly under a DeepSpeed engine or peft wrapper.
         input_ids, attention_mask, labels: ``(B, T)``; ``labels`` as in :func:`token_nll`.
+        packed: packed rows instead (:class:`chatrl.data.collate.PackedSFTCollator`'s batches):
+            ``input_ids`` and ``labels`` are ``(R, W)`` rows, ``attention_mask`` is None; the sum
+            and count equal those of the same sequences padded.
 
     Returns:
         ``(nll_sum, n_tokens)``: a scalar float32 tensor (nats) and a scalar long tensor.
     """
-    logits, targets = labelled_token_logits(model, input_ids, attention_mask, labels, IGNORE_INDEX)
+    logits, targets = labelled_token_logits(model, input_ids, attention_mask, labels, IGNORE_INDEX, packed)
     return F.cross_entropy(logits.float(), targets, reduction="sum"), labels.new_tensor(targets.numel())

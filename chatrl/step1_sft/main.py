@@ -5,7 +5,9 @@ with evaluation every ``--eval_interval`` steps and at each epoch end, then the 
 
 Loss: next-token cross-entropy over the answer tokens (the prompt is masked unless
 ``--include_prompt_loss``), each token of an optimizer step weighted equally across micro-batches
-and ranks (see :mod:`chatrl.step1_sft.loss`). Eval perplexity is ``exp`` of the token-weighted
+and ranks (see :mod:`chatrl.step1_sft.loss`), so the step's gradient does not depend on how its
+samples are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out (``--packing``:
+rows without padding, docs/packing.md). Eval perplexity is ``exp`` of the token-weighted
 mean NLL over the eval split, summed over ranks.
 
 Run ``python -m chatrl.step1_sft --help`` for the flags.
@@ -24,9 +26,10 @@ from chatrl import cli, config, dist, program
 from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
+from chatrl.data.collate import MicroBatches, PackedSFTCollator
 from chatrl.generation import eos_rate
 from chatrl.logprobs import IGNORE_INDEX
-from chatrl.models import check_context_window, load_tokenizer
+from chatrl.models import check_context_window, check_packing, load_tokenizer
 from chatrl.resilience import set_progress
 from chatrl.sizes import BatchSizes, plan_steps
 from chatrl.step1_sft.loss import sft_nll
@@ -94,12 +97,17 @@ def run(argv: list[str] | None = None) -> dict:
     args = cli.parse(build_parser(), argv)
     s: Step1Settings = config.read(Step1Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
+    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
     info = program.start("step 1 (SFT)", s.log, s.optim.seed)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     data = phase_data(1, s.data, tokenizer, s.optim.seed)
-    collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)
-    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, collate, info, s.optim.seed)
+    collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)  # eval batches
+    # training: each optimizer step's samples, cut into micro-batches by count or token budget, padded or packed
+    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
+    micro_batches = MicroBatches(PackedSFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)
+                                 if s.packing.packing else collate, s.batch.per_device_train_batch_size,
+                                 s.packing.max_tokens_per_micro_batch, info.device, dist.all_reduce_max)
 
     batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
     plan = plan_steps(len(loader), len(data.train), batch, s.optim.num_train_epochs, s.optim.max_steps,
@@ -133,13 +141,14 @@ def run(argv: list[str] | None = None) -> dict:
     while step < total_steps:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
-            micro = [{k: v.to(info.device) for k, v in next(it).items()}
-                     for _ in range(batch.gradient_accumulation_steps)]
+            micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
             n_local = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
             n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
             step_nll = 0.0
-            for m in micro:
-                nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"])
+            for i, m in enumerate(micro):
+                if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
+                    engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+                nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"], packed=m.get("packed"))
                 if step + 1 in s.ckpt.debug_nonfinite_steps:
                     nll = nll * float("nan")
                 engine.backward(nll * (scale_base / max(n_global, 1.0)))

@@ -3,7 +3,9 @@
 A batch holds the ``B`` chosen rows then the ``B`` rejected rows in one ``(2B, T)`` tensor (one
 forward pass for both sides), as :class:`chatrl.data.PairCollator` does for the reward model, plus
 an answer mask built from each row's length and its ``prompt_len`` (never from token ids) and the
-pairs' indices in the data set (the key of precomputed reference log-probs).
+pairs' indices in the data set (the key of precomputed reference log-probs). With ``--packing`` the
+``2B`` sequences are laid end to end in rows instead (:class:`PackedDPOCollator`); either batch's
+answer log-probs come from :func:`batch_answer_logps`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from chatrl.data.collate import pad_sequences
+from chatrl.data.collate import PairCollator, pad_sequences, to_device
+from chatrl.models import causal_lm_logits
+from chatrl.packing import pack
+from chatrl.step2_dpo.loss import answer_logps, packed_answer_logps
 
 
 class IndexedPairs(torch.utils.data.Dataset):
@@ -40,6 +45,9 @@ class DPOCollator:
         ValueError: an empty batch or an unknown ``padding_side`` (from ``pad_sequences``).
     """
 
+    packs = False
+    lengths = staticmethod(PairCollator.lengths)
+
     def __init__(self, pad_token_id: int, padding_side: str = "right"):
         self.pad_token_id = pad_token_id
         self.padding_side = padding_side
@@ -53,6 +61,36 @@ class DPOCollator:
             answer[row, s:s + p] = 0
         index = torch.tensor([int(x.get("index", -1)) for x in batch], dtype=torch.long)
         return {"input_ids": ids, "attention_mask": mask, "answer_mask": answer, "index": index}
+
+
+class PackedDPOCollator(DPOCollator):
+    """:class:`DPOCollator`'s pairs as packed rows: ``packed`` (:class:`chatrl.packing.PackedRows` of the
+    ``B`` chosen sequences then the ``B`` rejected ones), ``input_ids`` its rows, ``attention_mask``
+    None, ``prompt_len (2B,)`` and ``index (B,)``. ``row_tokens``: see :func:`chatrl.packing.pack`."""
+
+    packs = True
+
+    def __init__(self, pad_token_id: int, row_tokens: int = 0):
+        super().__init__(pad_token_id)
+        self.row_tokens = row_tokens
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        packed = pack([x["chosen_input_ids"] for x in batch] + [x["rejected_input_ids"] for x in batch],
+                      self.pad_token_id, self.row_tokens)
+        prompt_len = torch.tensor([int(x["prompt_len"]) for x in batch] * 2, dtype=torch.long)
+        index = torch.tensor([int(x.get("index", -1)) for x in batch], dtype=torch.long)
+        return {"input_ids": packed.input_ids, "attention_mask": None, "packed": packed, "prompt_len": prompt_len,
+                "index": index}
+
+
+def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logps (2B,), n_tokens (2B,))``: the summed log-probability of each answer of a DPO batch
+    under ``model`` (padded or packed: the same numbers) and its token count; differentiable."""
+    b = to_device(batch, device)
+    logits = causal_lm_logits(model, b["input_ids"], b["attention_mask"], packed=b.get("packed"))
+    if b.get("packed") is not None:
+        return packed_answer_logps(logits, b["packed"], b["prompt_len"])
+    return answer_logps(logits, b["input_ids"], b["answer_mask"])
 
 
 def split_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

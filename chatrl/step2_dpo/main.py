@@ -7,8 +7,10 @@ at each epoch end, an optional greedy-answer EOS check, then the HF-format save 
 
 Maths: :mod:`chatrl.step2_dpo.loss` (per-pair losses of Rafailov et al. 2023, Azar et al. 2023,
 Zhao et al. 2023, Meng et al. 2024; label smoothing of cDPO). The reference: see
-:mod:`chatrl.step2_dpo.reference`. A micro-batch's loss is the mean over its pairs; DeepSpeed
-averages micro-batches and ranks.
+:mod:`chatrl.step2_dpo.reference`. An optimizer step's loss is the mean over its pairs, all ranks:
+each micro-batch's pair losses are summed and divided by the step's pair count, so the gradient does
+not depend on how the pairs are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out
+(``--packing``: rows without padding, docs/packing.md).
 
 Metrics (``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard with ``--enable_tensorboard``), for
 ``train/`` (the optimizer step's pairs, all ranks) and ``eval/`` (the held-out pairs):
@@ -41,12 +43,19 @@ from chatrl import cli, config, dist, program
 from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
+from chatrl.data.collate import MicroBatches
 from chatrl.generation import eos_rate
-from chatrl.models import causal_lm_logits, load_tokenizer
+from chatrl.models import check_packing, load_tokenizer
 from chatrl.resilience import set_progress
 from chatrl.sizes import BatchSizes, plan_steps
-from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs, split_pairs
-from chatrl.step2_dpo.loss import DPOConfig, answer_logps, preference_loss, reward_stats
+from chatrl.step2_dpo.batch import (
+    DPOCollator,
+    IndexedPairs,
+    PackedDPOCollator,
+    batch_answer_logps,
+    split_pairs,
+)
+from chatrl.step2_dpo.loss import DPOConfig, preference_loss, reward_stats
 from chatrl.step2_dpo.reference import build_reference, reference_kind
 from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
@@ -108,8 +117,7 @@ def pair_forward(engine, batch, reference, settings: DPOConfig, device, split: s
     Returns ``(losses (B,), chosen_rewards, rejected_rewards, logps_chosen, logps_rejected)``.
     """
     ref = reference.logps(batch, split)
-    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    logps, n_tokens = answer_logps(causal_lm_logits(engine, ids, mask), ids, batch["answer_mask"].to(device))
+    logps, n_tokens = batch_answer_logps(engine, batch, device)
     pc, pr = split_pairs(logps)
     nc, nr = split_pairs(n_tokens)
     rc, rr = ref if ref is not None else (None, None)
@@ -160,14 +168,19 @@ def run(argv: list[str] | None = None) -> dict:
         s: DPOSettings = config.read(DPOSettings, args)
     except ValueError as err:
         parser.error(str(err))
+    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
     info = program.start("step 2 (DPO)", s.log, s.optim.seed)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Phase-2 pairs; over-long prompts are cut from the left, identical pairs skipped and counted.
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
     train_pairs, eval_pairs = IndexedPairs(data.train), IndexedPairs(data.eval)
-    collate = DPOCollator(tokenizer.pad_token_id, padding_side="right")
-    loader = dist.seeded_loader(train_pairs, s.batch.per_device_train_batch_size, collate, info, s.optim.seed)
+    collate = DPOCollator(tokenizer.pad_token_id, padding_side="right")  # eval and reference precompute batches
+    # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
+    loader = dist.seeded_loader(train_pairs, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
+    micro_batches = MicroBatches(PackedDPOCollator(tokenizer.pad_token_id) if s.packing.packing else collate,
+                                 s.batch.per_device_train_batch_size, s.packing.max_tokens_per_micro_batch,
+                                 info.device, dist.all_reduce_max)
 
     batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
     plan = plan_steps(len(loader), len(train_pairs), batch, s.optim.num_train_epochs, s.optim.max_steps,
@@ -223,10 +236,16 @@ def run(argv: list[str] | None = None) -> dict:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-            for _ in range(batch.gradient_accumulation_steps):
-                m = next(it)
+            step_pairs = [x for _ in range(batch.gradient_accumulation_steps) for x in next(it)]
+            micro = micro_batches(step_pairs)
+            # DeepSpeed divides each loss by the accumulation steps and averages ranks: the step's pair mean
+            scale = batch.gradient_accumulation_steps * info.world_size / dist.all_reduce_sum(
+                torch.tensor(float(len(step_pairs)))).item()
+            for i, m in enumerate(micro):
+                if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
+                    engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
                 losses, chosen_r, rejected_r, lc, lr = pair_forward(engine, m, reference, s.dpo, info.device)
-                loss = losses.mean()
+                loss = losses.sum() * scale
                 if step + 1 in s.ckpt.debug_nonfinite_steps:
                     loss = loss * float("nan")
                 engine.backward(loss)

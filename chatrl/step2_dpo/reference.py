@@ -27,20 +27,19 @@ import torch
 
 from chatrl.config import LoraConfig, ZeroConfig
 from chatrl.dist import all_reduce_sum, eval_batches, frozen_engine
-from chatrl.models import causal_lm_logits, lora_enabled
+from chatrl.models import lora_enabled
 from chatrl.sizes import BatchSizes
-from chatrl.step2_dpo.batch import split_pairs
-from chatrl.step2_dpo.loss import DPOConfig, answer_logps
+from chatrl.step2_dpo.batch import batch_answer_logps, split_pairs
+from chatrl.step2_dpo.loss import DPOConfig
 
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
 def batch_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logps (2B,), n_tokens (2B,))`` of a DPO batch's answers under ``model`` (no gradients)."""
-    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    logits = causal_lm_logits(model, ids, mask)
-    return answer_logps(logits, ids, batch["answer_mask"].to(device))
+    """``(logps (2B,), n_tokens (2B,))`` of a DPO batch's answers under ``model``, padded or packed
+    (:func:`chatrl.step2_dpo.batch.batch_answer_logps`), without gradients."""
+    return batch_answer_logps(model, batch, device)
 
 
 @contextlib.contextmanager

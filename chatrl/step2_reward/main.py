@@ -6,14 +6,16 @@ then the HF-format save.
 
 Model: :class:`chatrl.reward_model.RewardModel`, a causal-LM backbone with a bias-free
 scalar head; a sequence's score is the head's value at its last real token (from the mask).
-Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of a micro-batch
-(InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one), averaged over
-micro-batches and ranks by DeepSpeed.
+Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of an optimizer step, all
+ranks (InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one): each micro-batch's
+pair losses are summed and divided by the step's pair count, so the gradient does not depend on how
+the pairs are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out (``--packing``:
+rows without padding, docs/packing.md).
 
 Metrics (``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard with ``--enable_tensorboard``):
 
 ============================  ===============================================================
-``train/loss``                mean pairwise loss of the optimizer step, over ranks
+``train/loss``                mean pairwise loss of the optimizer step's pairs, all ranks
 ``train/accuracy``            share of the step's pairs with ``r_chosen > r_rejected``
 ``train/lr``                  learning rate after the step
 ``train/pairs_per_s``         training pairs per second since the start, all ranks
@@ -40,9 +42,10 @@ from chatrl import cli, config, dist, program
 from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
-from chatrl.models import check_context_window, load_tokenizer
+from chatrl.data.collate import MicroBatches, PackedPairCollator
+from chatrl.models import check_context_window, check_packing, load_tokenizer
 from chatrl.resilience import set_progress
-from chatrl.reward_model import pair_stats, pairwise_loss, save_reward_model
+from chatrl.reward_model import pair_stats, pairwise_losses, save_reward_model
 from chatrl.sizes import BatchSizes, plan_steps
 from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
@@ -125,6 +128,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = cli.parse(build_parser(), argv)
     s: Step2Settings = config.read(Step2Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
+    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
     info = program.start("step 2 (reward model)", s.log, s.optim.seed)
     if s.step2.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
@@ -132,8 +136,12 @@ def run(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Over-long prompts are cut from the left to fit max_seq_len; identical pairs are skipped and counted.
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
-    collate = PairCollator(tokenizer.pad_token_id, padding_side="right")
-    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, collate, info, s.optim.seed)
+    collate = PairCollator(tokenizer.pad_token_id, padding_side="right")  # eval batches
+    # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
+    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
+    micro_batches = MicroBatches(PackedPairCollator(tokenizer.pad_token_id) if s.packing.packing else collate,
+                                 s.batch.per_device_train_batch_size, s.packing.max_tokens_per_micro_batch,
+                                 info.device, dist.all_reduce_max)
 
     batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
     plan = plan_steps(len(loader), len(data.train), batch, s.optim.num_train_epochs, s.optim.max_steps,
@@ -168,18 +176,24 @@ def run(argv: list[str] | None = None) -> dict:
     while step < total_steps:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
-            stats = torch.zeros(3, dtype=torch.float64)  # loss sum over micro-batches, correct, pairs
-            for _ in range(batch.gradient_accumulation_steps):
-                m = next(it)
-                _, scores = engine(m["input_ids"].to(info.device), m["attention_mask"].to(info.device))
+            stats = torch.zeros(3, dtype=torch.float64)  # loss sum over pairs, correct, pairs
+            step_pairs = [x for _ in range(batch.gradient_accumulation_steps) for x in next(it)]
+            micro = micro_batches(step_pairs)
+            # DeepSpeed divides each loss by the accumulation steps and averages ranks: the step's pair mean
+            scale = batch.gradient_accumulation_steps * info.world_size / dist.all_reduce_sum(
+                torch.tensor(float(len(step_pairs)))).item()
+            for i, m in enumerate(micro):
+                if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
+                    engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+                _, scores = engine(m["input_ids"], m["attention_mask"], packed=m.get("packed"))
                 chosen, rejected = split_pairs(scores)
-                margin = m.get("margin")
-                loss = pairwise_loss(chosen, rejected, None if margin is None else margin.to(info.device))
+                losses = pairwise_losses(chosen, rejected, m.get("margin"))
+                loss = losses.sum() * scale
                 if step + 1 in s.ckpt.debug_nonfinite_steps:
                     loss = loss * float("nan")
                 engine.backward(loss)
                 engine.step()
-                stats += torch.tensor([loss.item(), (chosen > rejected).sum().item(), chosen.numel()],
+                stats += torch.tensor([losses.sum().item(), (chosen > rejected).sum().item(), chosen.numel()],
                                       dtype=torch.float64)
             step += 1
             set_progress(optimizer_step=step)
@@ -188,7 +202,7 @@ def run(argv: list[str] | None = None) -> dict:
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
-                tracker.log({"train/loss": loss_sum / (batch.gradient_accumulation_steps * info.world_size),
+                tracker.log({"train/loss": loss_sum / pairs,
                              "train/accuracy": correct / pairs, "train/lr": engine.lr_scheduler.get_last_lr()[0],
                              "train/skipped_steps": ckpt.skipped, "train/pairs_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)

@@ -29,7 +29,14 @@ from chatrl.checkpoint import (
 )
 from chatrl.data import PromptCollator, SFTCollator, phase_data
 from chatrl.hybrid_engine import HybridEngine
-from chatrl.models import check_context_window, load_tokenizer, sampling_settings, stop_token_ids
+from chatrl.models import (
+    check_context_window,
+    check_packing,
+    load_tokenizer,
+    sampling_settings,
+    stop_token_ids,
+)
+from chatrl.packing import pack
 from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, WeightedReward, build_reward
@@ -71,25 +78,34 @@ def make_generate(actor_engine, s: Step3Settings, tokenizer) -> tuple[HybridEngi
     return hybrid, generate
 
 
-def reward_model_scores(reward_engine, micro_batch: int):
-    """The reward model's end score, ``micro_batch`` rollouts per pass:
+def reward_model_scores(reward_engine, micro_batch: int, pad_token_id: int | None = None):
+    """The reward model's end score, ``micro_batch`` rollouts per pass, packed into rows of their real
+    tokens when ``pad_token_id`` is given (``--packing``: the same scores):
     ``score_fn(sequences (B, T), attention_mask (B, T), prompt_len) -> (B,)``."""
 
     @torch.no_grad()
     def score_fn(seq, mask, prompt_len):
-        return torch.cat([reward_engine(seq[i:i + micro_batch], mask[i:i + micro_batch]).end_scores
-                          for i in range(0, len(seq), micro_batch)])
+        scores = []
+        for i in range(0, len(seq), micro_batch):
+            s, m = seq[i:i + micro_batch], mask[i:i + micro_batch]
+            if pad_token_id is None:
+                scores.append(reward_engine(s, m).end_scores)
+            else:
+                packed = pack([row[keep > 0] for row, keep in zip(s, m, strict=True)], pad_token_id)
+                scores.append(reward_engine(packed.input_ids, None, packed=packed).end_scores)
+        return torch.cat(scores)
 
     return score_fn
 
 
-def make_reward(s: Step3Settings, reward_engine, score_fn=None) -> WeightedReward:
+def make_reward(s: Step3Settings, reward_engine, score_fn=None, pad_token_id: int | None = None) -> WeightedReward:
     """The weighted reward of every algorithm (:func:`chatrl.rewards.build_reward`): the reward model
-    (when loaded), ``--reward_fn`` functions and ``--reward_url`` servers. ``score_fn`` (a test
-    hook, ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``) replaces all of them."""
+    (when loaded; on packed rows with ``pad_token_id``), ``--reward_fn`` functions and ``--reward_url``
+    servers. ``score_fn`` (a test hook, ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``)
+    replaces all of them."""
     if score_fn is not None:
         return WeightedReward([(1.0, ModelReward(score_fn, name="score_fn"))])
-    model = (ModelReward(reward_model_scores(reward_engine, s.ppo.per_device_training_batch_size))
+    model = (ModelReward(reward_model_scores(reward_engine, s.ppo.per_device_training_batch_size, pad_token_id))
              if reward_engine is not None else None)
     r = s.reward
     return build_reward(r.reward_fn, r.reward_url, model, http_timeout=r.reward_http_timeout,
@@ -140,8 +156,13 @@ def build(args, score_fn=None) -> Step3Run:
     check_context_window([s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
                          {"--max_prompt_seq_len + --max_answer_seq_len":
                           rollout.max_prompt_seq_len + rollout.max_answer_seq_len}, s.actor.trust_remote_code)
+    check_packing(s.packing, [s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
+                  s.actor.trust_remote_code)
+    adapted = s.fit_loss_aggregation_to_token_budget()
     seed = s.actor_optim.seed
     info = program.start(f"step 3 ({algorithm.name})", s.log, seed)
+    if adapted and info.is_main:
+        log.info(adapted)
     tokenizer = load_tokenizer(s.actor.model_name_or_path, padding_side="left",
                                trust_remote_code=s.actor.trust_remote_code)
     if reward_path:
@@ -156,7 +177,8 @@ def build(args, score_fn=None) -> Step3Run:
                     s.actor_optim.max_steps, s.actor_optim.num_warmup_steps, ptx=bool(s.data.unsupervised_dataset_name),
                     algorithm=algorithm, num_samples_per_prompt=s.ppo.samples_per_prompt,
                     loss_agg_mode=s.ppo.loss_aggregation, kl_horizon=s.ppo.kl_horizon,
-                    adaptive_kl=s.ppo.kl_ctl == "adaptive", print_answers_interval=rollout.print_answers_interval)
+                    adaptive_kl=s.ppo.kl_ctl == "adaptive", print_answers_interval=rollout.print_answers_interval,
+                    max_tokens_per_micro_batch=s.packing.max_tokens_per_micro_batch)
     ptx_iter = None
     if s.data.unsupervised_dataset_name:
         unsup = phase_data(1, s.data, tokenizer, seed, data_paths=s.data.unsupervised_dataset_name,
@@ -172,14 +194,14 @@ def build(args, score_fn=None) -> Step3Run:
     hybrid, generate = make_generate(engines.actor, s, tokenizer)
     kl_ctl = (core.AdaptiveKLController(s.ppo.init_kl_coef, s.ppo.kl_target, plan.kl_horizon)
               if s.ppo.kl_ctl == "adaptive" else core.FixedKLController(s.ppo.init_kl_coef))
-    reward = make_reward(s, engines.reward, score_fn)
+    reward = make_reward(s, engines.reward, score_fn, tokenizer.pad_token_id if s.packing.packing else None)
     several = info.world_size > 1
     trainer = Trainer(engines.actor, engines.reference, engines.critic, reward, generate, kl_ctl, s.ppo, tokenizer,
                       gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
                       world_size=info.world_size, answer_len=rollout.max_answer_seq_len,
                       all_reduce_sum=dist.all_reduce_sum if several else None,
                       all_reduce_max=dist.all_reduce_max if several else None, rank=info.rank, ema=engines.ema,
-                      temperature=s.sampling.temperature)
+                      temperature=s.sampling.temperature, packing=s.packing)
     tracker = Tracker.for_run(s.log, info.is_main)
     critic_desc = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{s.critic_zero.zero_stage}"
                    if engines.critic is not None else "no critic")

@@ -26,6 +26,13 @@ the same for all. Per experience buffer (:func:`chatrl.step3_ppo.main.train` rea
 
 Every model runs in eval mode (dropout off, detail 1), so at the first PPO epoch the ratio is exactly
 1 and the KL to an identical reference exactly 0.
+
+With ``--packing`` the experience and training forwards (actor, reference, critic, reward model) run
+on packed rows of each micro-batch's real tokens (:func:`chatrl.packing.pack_rollouts`), read back
+into the buffer's ``(B, A)`` layout: the same numbers without the padding. With
+``--max_tokens_per_micro_batch`` each optimizer step's rollouts are cut into micro-batches of at most
+that many tokens (as many on every rank), whose number DeepSpeed is told through its accumulation
+boundary; the loss aggregation is then a global one (``docs/packing.md``).
 """
 
 from __future__ import annotations
@@ -35,13 +42,21 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from chatrl.config import PPOConfig
+from chatrl.config import PackingConfig, PPOConfig
 from chatrl.logprobs import logprobs_and_entropy, logprobs_from_logits
-from chatrl.models import causal_lm_logits, stop_token_ids
+from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
+from chatrl.packing import micro_batch_groups, pack_rollouts
 from chatrl.rewards import WeightedReward, reward_batch_from_tokens, score_on_all_ranks
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
-from chatrl.rl.loss import logp_diff, loss_scale, policy_loss, step_normalizers, truncated_is_weights
+from chatrl.rl.loss import (
+    GLOBAL_LOSS_AGG_MODES,
+    logp_diff,
+    loss_scale,
+    policy_loss,
+    step_normalizers,
+    truncated_is_weights,
+)
 from chatrl.rl.stats import PooledStats
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -133,9 +148,37 @@ def answer_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
     return causal_lm_logits(model, sequences, attention_mask, logits_to_keep=sequences.shape[1] - prompt_len + 1)[:, :-1]
 
 
-def answer_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Critic values ``(B, A)``: column ``j`` is V(prompt, answer tokens < j)."""
-    return critic(sequences, attention_mask).values[:, prompt_len - 1:-1].float()
+def answer_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                  pad_token_id: int | None = None) -> torch.Tensor:
+    """Critic values ``(B, A)``: column ``j`` is V(prompt, answer tokens < j). With ``pad_token_id``
+    the rollouts run packed (:func:`chatrl.packing.pack_rollouts`; the same values, 0 beyond each answer)."""
+    if pad_token_id is None:
+        return critic(sequences, attention_mask).values[:, prompt_len - 1:-1].float()
+    packed, slots = pack_rollouts(sequences, attention_mask, prompt_len, pad_token_id)
+    values = critic(packed.input_ids, None, packed=packed).values
+    return slots.scatter(values[slots.rows, slots.cols].float(), len(sequences), sequences.shape[1] - prompt_len)
+
+
+def packed_answer_logp(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                       pad_token_id: int, temperature: float = 1.0, entropy: bool = False):
+    """Log-probs ``(B, A)`` of the answer tokens (and their entropy ``(B, A)`` with ``entropy``) under
+    ``model`` at ``temperature``, computed on packed rows (:func:`chatrl.packing.pack_rollouts`) with
+    the LM head on the answer positions only: the padded path's numbers on each answer token, 0
+    beyond each answer. One answer's width of logits at a time goes through the token maths."""
+    packed, slots = pack_rollouts(sequences, attention_mask, prompt_len, pad_token_id)
+    logits = token_logits_at(model, slots.rows, slots.cols, packed.input_ids, None, packed)
+    if temperature != 1.0:
+        logits = logits / temperature
+    width = sequences.shape[1] - prompt_len
+    targets = sequences[:, prompt_len:][slots.seq, slots.offset]
+    chunks = [(c.unsqueeze(0), t.unsqueeze(0)) for c, t in zip(logits.split(max(width, 1)),
+                                                                targets.split(max(width, 1)), strict=True)]
+    if entropy:
+        parts = [logprobs_and_entropy(c, t) for c, t in chunks]
+        return tuple(slots.scatter(torch.cat([p[k][0] for p in parts]) if parts else logits.new_zeros(0),
+                                   len(sequences), width) for k in (0, 1))
+    logp = torch.cat([logprobs_from_logits(c, t)[0] for c, t in chunks]) if chunks else logits.new_zeros(0)
+    return slots.scatter(logp, len(sequences), width)
 
 
 class Trainer:
@@ -164,6 +207,8 @@ class Trainer:
             from but not what is trained (``docs/critic_free.md``, "Temperature").
         ema: optional EMA copy of the actor, averaged after every actor optimizer step (ZeRO-3
             partitions are averaged in place, no gather).
+        packing: ``--packing`` (packed forwards) and ``--max_tokens_per_micro_batch`` (micro-batches
+            by token budget; needs a global loss aggregation and no PTX loss, :func:`chatrl.sizes.plan_ppo`).
 
     Raises:
         ValueError: a critic given to an algorithm without one, or none to one that needs it.
@@ -172,7 +217,7 @@ class Trainer:
     def __init__(self, actor, reference, critic, reward: WeightedReward, generate: Generate, kl_controller,
                  settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
                  answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
-                 rank: int = 0, ema=None, temperature: float = 1.0):
+                 rank: int = 0, ema=None, temperature: float = 1.0, packing: PackingConfig | None = None):
         self.algorithm = settings.algorithm
         if (critic is not None) != self.algorithm.needs_critic:
             raise ValueError(f"--rl_algorithm {self.algorithm.name} {'needs' if self.algorithm.needs_critic else 'has no'}"
@@ -186,6 +231,8 @@ class Trainer:
         self.gas, self.world, self.answer_len = gradient_accumulation_steps, world_size, answer_len
         self.all_reduce_sum, self.all_reduce_max, self.rank = all_reduce_sum, all_reduce_max, rank
         self.temperature = temperature if temperature > 0 else 1.0
+        packing = packing or PackingConfig()
+        self.packed, self.max_tokens = packing.packing, packing.max_tokens_per_micro_batch
         for m in (actor, critic, reference, ema):
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
@@ -237,13 +284,49 @@ class Trainer:
         logits = answer_logits(model, sequences, attention_mask, prompt_len)
         return logits / self.temperature if self.temperature != 1.0 else logits
 
+    def policy_logp(self, model, exp: Experience, entropy: bool = False):
+        """The log-probs ``(B, A)`` of ``exp``'s answer tokens under the actor or the reference at the
+        sampling temperature (and their entropy with ``entropy``), padded or packed (``--packing``)."""
+        if self.packed:
+            return packed_answer_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, self.pad,
+                                      self.temperature, entropy)
+        logits = self.policy_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len)
+        answer = exp.sequences[:, exp.prompt_len:]
+        return logprobs_and_entropy(logits, answer) if entropy else logprobs_from_logits(logits, answer)
+
+    def critic_values(self, exp: Experience) -> torch.Tensor:
+        """The critic's values ``(B, A)`` of ``exp``, padded or packed (``--packing``)."""
+        return answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len,
+                             self.pad if self.packed else None)
+
+    def micro_batches(self, exp: Experience) -> list[tuple[slice, int, bool]]:
+        """One pass over the buffer as micro-batches ``(rows, normaliser index, ends an optimizer step)``.
+
+        Without a token budget: ``--per_device_training_batch_size`` rollouts each, micro-batch ``j``
+        reading normaliser ``j`` (:func:`chatrl.rl.loss.step_normalizers`), and DeepSpeed counting
+        the accumulation itself (``None``). With ``--max_tokens_per_micro_batch``: each optimizer
+        step's rollouts (``--gradient_accumulation_steps`` × the batch size) cut by token budget, as
+        many micro-batches on every rank (a collective), each reading its step's normaliser.
+        """
+        if not self.max_tokens:
+            return [(slice(i, i + self.mb), j, None) for j, i in enumerate(range(0, len(exp), self.mb))]
+        widths = (exp.attention_mask > 0).sum(-1).tolist() if self.packed else [exp.sequences.shape[1]] * len(exp)
+        out, per_step = [], self.mb * self.gas
+        for k, start in enumerate(range(0, len(exp), per_step)):
+            units = [(w,) for w in widths[start:start + per_step]]
+            groups = micro_batch_groups(units, self.mb, self.max_tokens, self.packed, self.all_reduce_max)
+            out += [(slice(start + g[0], start + g[-1] + 1), k * self.gas, i == len(groups) - 1)
+                    for i, g in enumerate(groups)]
+        return out
+
     # ---------------------------------------------------------------------------------- experience
     def first_pass_is_experience(self, rollouts: int) -> bool:
         """Whether the actor's and critic's experience passes are left to the first training pass: the
         buffer (``rollouts`` per rank, the same on every rank) is one training micro-batch, so the
         first step's forwards see exactly the experience pass's weights and inputs (detail 1),
-        unless ``--separate_experience_pass`` asks for the plain path."""
-        return rollouts <= self.mb and not self.s.separate_experience_pass
+        unless ``--separate_experience_pass`` asks for the plain path (or micro-batches are cut by
+        token budget)."""
+        return rollouts <= self.mb and not self.s.separate_experience_pass and not self.max_tokens
 
     @torch.no_grad()
     def make_experience(self, rollouts: list[Experience], stats: PooledStats) -> tuple[Experience, dict]:
@@ -256,16 +339,15 @@ class Trainer:
         exp = concat_rollouts(rollouts, self.pad)
         deferred = self.first_pass_is_experience(len(exp))
         parts: dict[str, list] = {k: [] for k in ("logp", "entropy", "values", "ref_logp")}
-        P = exp.prompt_len
-        for i in range(0, len(exp), self.mb):
-            s, m = exp.sequences[i:i + self.mb], exp.attention_mask[i:i + self.mb]
+        for rows, _, _ in self.micro_batches(exp):
+            part = exp.rows(rows)
             if not deferred:
-                logp, entropy = logprobs_and_entropy(self.policy_logits(self.actor, s, m, P), s[:, P:])
+                logp, entropy = self.policy_logp(self.actor, part, entropy=True)
                 parts["logp"].append(logp)
                 parts["entropy"].append(entropy)
                 if self.critic is not None:
-                    parts["values"].append(answer_values(self.critic, s, m, P))
-            parts["ref_logp"].append(logprobs_from_logits(self.policy_logits(self.reference, s, m, P), s[:, P:]))
+                    parts["values"].append(self.critic_values(part))
+            parts["ref_logp"].append(self.policy_logp(self.reference, part))
         exp.ref_logp, exp.logp, exp.entropy, exp.values = (torch.cat(parts[k]) if parts[k] else None
                                                            for k in ("ref_logp", "logp", "entropy", "values"))
         return exp, ({} if deferred else self.finish_experience(exp, stats))
@@ -301,22 +383,31 @@ class Trainer:
         norms = step_normalizers(exp.action_mask, self.mb, self.gas, self.mode, constant=float(self.answer_len),
                                  all_reduce_sum=self.all_reduce_sum)
         scale = loss_scale(self.mode, self.gas, self.world)
+        # with a global aggregation the critic's value loss is the step's token mean as well
+        critic_norms = (step_normalizers(exp.action_mask, self.mb, self.gas, "token-mean",
+                                         all_reduce_sum=self.all_reduce_sum)
+                        if self.critic is not None and self.mode in GLOBAL_LOSS_AGG_MODES else None)
         ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
         losses: dict[str, float] = {}
         agreement: dict = {}
         n = 0
         for _ in range(self.s.ppo_epochs):
-            for j, i in enumerate(range(0, len(exp), self.mb)):
+            for rows, j, ends_step in self.micro_batches(exp):
                 logp = values = None
                 if exp.logp is None:  # the experience's actor (and critic) passes are this first step's forwards
                     logp, values, agreement = self.first_pass(exp, stats)
                     part = exp
                 else:
-                    part = exp.rows(slice(i, i + self.mb))
+                    part = exp.rows(rows)
+                if ends_step is not None:  # micro-batches by token budget: their number varies per step
+                    for engine in (self.actor, self.critic):
+                        if engine is not None:
+                            engine.set_gradient_accumulation_boundary(ends_step)
                 tokens = float(core.valid_mask(part.action_mask).sum())
                 step_stats = self.train_actor(part, norms[j], scale, logp)
                 if self.critic is not None:
-                    step_stats.update(self.train_critic(part, values))
+                    step_stats.update(self.train_critic(part, values, None if critic_norms is None else critic_norms[j],
+                                                        scale))
                 if ptx_iter is not None:
                     step_stats.update(self.train_ptx(next(ptx_iter)))
                 for k, v in step_stats.items():
@@ -324,9 +415,11 @@ class Trainer:
                         losses[k] = losses.get(k, 0.0) + float(v)
                     else:  # a mean over the micro-batch's action tokens
                         stats.add_weighted(k, float(v), tokens)
-                n += 1
+                # micro-steps of the configured size: a step cut by token budget counts as the accumulation steps
+                n += 1 if ends_step is None else (self.gas if ends_step else 0)
+        shares = ("actor_loss", "critic_loss") if critic_norms is not None else ("actor_loss",)
         for k, total in losses.items():  # one figure per rank, averaged over ranks (equal micro-steps)
-            stats.add_weighted(k, total * (scale if k == "actor_loss" else 1.0) / max(n, 1), 1.0)
+            stats.add_weighted(k, total * (scale if k in shares else 1.0) / max(n, 1), 1.0)
         return agreement
 
     def first_pass(self, exp: Experience, stats: PooledStats) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
@@ -338,11 +431,8 @@ class Trainer:
         and ``values`` (with their graphs, for the first losses; both alive until the actor's
         backward) and the experience statistics.
         """
-        answer = exp.sequences[:, exp.prompt_len:]
-        logp, entropy = logprobs_and_entropy(
-            self.policy_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len), answer)
-        values = (answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
-                  if self.critic is not None else None)
+        logp, entropy = self.policy_logp(self.actor, exp, entropy=True)
+        values = self.critic_values(exp) if self.critic is not None else None
         exp.logp, exp.entropy = logp.detach(), entropy.detach()
         exp.values = values.detach() if values is not None else None
         del entropy
@@ -355,9 +445,7 @@ class Trainer:
         ``normalizer``, times ``scale`` for DeepSpeed. ``logp`` ``(B, A)``: the actor's log-probs
         from a forward already run on it (:meth:`first_pass`), else computed here."""
         if logp is None:
-            logits = self.policy_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
-            logp = logprobs_from_logits(logits, exp.sequences[:, exp.prompt_len:])
-            del logits
+            logp = self.policy_logp(self.actor, exp)
         in_loss = self.s.kl_in == "loss"
         loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer,
                                   loss_agg_mode=self.mode, cliprange_low=self.clip_low, cliprange_high=self.clip_high,
@@ -368,13 +456,17 @@ class Trainer:
         self._after_actor_step()
         return {"actor_loss": loss.detach(), **stats}
 
-    def train_critic(self, exp: Experience, values: torch.Tensor | None = None) -> dict:
+    def train_critic(self, exp: Experience, values: torch.Tensor | None = None,
+                     normalizer: torch.Tensor | None = None, scale: float = 1.0) -> dict:
         """One clipped value-loss micro-step of the critic on ``exp`` (one micro-batch); ``values``
-        ``(B, A)`` as ``logp`` in :meth:`train_actor`."""
+        ``(B, A)`` as ``logp`` in :meth:`train_actor`. The loss is the micro-batch's token mean, or
+        with ``normalizer`` (a global ``--loss_agg_mode``) its share of the optimizer step's token
+        mean, times ``scale`` for DeepSpeed (:func:`chatrl.rl.core.critic_loss`)."""
         if values is None:
-            values = answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
-        loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value)
-        self.critic.backward(loss)
+            values = self.critic_values(exp)
+        loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value,
+                                       normalizer)
+        self.critic.backward(loss * scale if normalizer is not None else loss)
         self.critic.step()
         return {"critic_loss": loss.detach(), **stats}
 
