@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -43,6 +44,7 @@ from chatrl.cli import normalize_argv
 from chatrl.config import setting, to_argv, uses
 from chatrl.dist import free_port
 from chatrl.errors import UsageError
+from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
 from chatrl.report import report_note
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
@@ -96,6 +98,29 @@ def command_flags(values: dict, parser: argparse.ArgumentParser) -> list[str]:
     """A step's ``{flag name: value}`` as command-line flags, each name checked against its parser
     (:func:`chatrl.config.to_argv`)."""
     return to_argv(parser, values)
+
+
+def packing_family(name: str) -> str | None:
+    """The model family of ``name`` if ``--packing`` serves it (:mod:`chatrl.packing`: its packed path is
+    tested to give the padded numbers), else None: read from a local folder's ``config.json``, or
+    from a hub name (``facebook/opt-1.3b``, ``meta-llama/Llama-2-7b-hf``, ``Qwen/Qwen2-7B``)."""
+    config_file = Path(name) / "config.json"
+    if config_file.is_file():
+        family = json.loads(config_file.read_text()).get("model_type")
+    else:
+        base = name.lower().rsplit("/", 1)[-1]
+        family = "opt" if base.startswith("opt-") else "llama" if "llama" in base else "qwen2" if "qwen2" in base else None
+    return family if family in POSITION_ID_FAMILIES + BLOCK_MASK_FAMILIES else None
+
+
+def with_packing(presets: Presets, actor: str, reward: str) -> Presets:
+    """Padding-free micro-batches (``--packing``) in each step whose models are all of a family it
+    serves (:func:`packing_family`): step 1 the actor, step 2 the reward model, step 3 both."""
+    models = {1: (actor,), 2: (reward,), 3: (actor, reward)}
+    for s, names in models.items():
+        if all(packing_family(n) for n in names):
+            presets[s]["packing"] = True
+    return presets
 
 
 def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: int | None,
@@ -494,6 +519,7 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
                               a.actor_zero_stage, a.reward_zero_stage)
         for s in (1, 2, 3):  # every step's parser has --data_path (DataConfig)
             presets[s] = {"data_path": a.data_path or DEFAULT_DATA, **presets[s]}
+    presets = with_packing(presets, actor, reward)
     if (a.node_rank is not None or a.master_addr) and deployment != "multi_node":
         raise SystemExit("train.py: --node-rank and --master-addr are for --deployment-type multi_node")
     cmd, env = launcher(deployment, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)

@@ -57,6 +57,23 @@ def test_size_presets_scale_with_model_and_deployment():
     assert forced[1]["zero_stage"] == 2 and forced[2]["zero_stage"] == 1
 
 
+def test_presets_turn_packing_on_for_the_families_it_serves(tmp_path):
+    """--packing where every model of a step is of a family whose packed path is tested (OPT, Llama,
+    Qwen2), read from a local folder's config or a hub name; off otherwise."""
+    from transformers import GPT2Config
+
+    assert train.packing_family("facebook/opt-1.3b") == "opt"
+    assert train.packing_family("meta-llama/Llama-2-7b-hf") == "llama" and train.packing_family("Qwen/Qwen2-7B") == "qwen2"
+    assert train.packing_family(str(STORIES)) == "llama"  # the demo's model, from its config.json
+    GPT2Config(n_embd=16, n_layer=1, n_head=2).save_pretrained(tmp_path)
+    assert train.packing_family(str(tmp_path)) is None and train.packing_family("EleutherAI/gpt-j-6b") is None
+    demo = train.with_packing(train.demo_plan(tmp_path / "out")[2], str(STORIES), str(STORIES))
+    assert all(demo[s]["packing"] for s in (1, 2, 3))
+    mixed = train.with_packing(train.size_preset(1.3, 0.35, "single_gpu", None, None), "facebook/opt-1.3b",
+                               str(tmp_path))
+    assert mixed[1]["packing"] and "packing" not in mixed[2] and "packing" not in mixed[3]
+
+
 def test_multi_node_needs_a_hostfile(tmp_path):
     with pytest.raises(SystemExit, match="hostfile"):
         train.launcher("multi_node", None, str(tmp_path / "missing"), None)
