@@ -1,18 +1,21 @@
-"""Benchmark padding-free training: samples/s and peak memory, packed rows against padded batches, on real
+"""Benchmark padding-free training: samples/s and memory, packed rows against padded batches, on real
 data, printed as JSON.
 
-For each stage the training computation of the program runs on the same samples both ways, in one
-process per measurement (so that its peak resident memory is its own), one rank, no DeepSpeed (the
-model code, as ``bench/step2.py``): chatrl's own collators, forwards and losses, AdamW. Padded and
-packed measurements alternate, ``--repeats`` times; the JSON gives the median samples/s of each, the
-ratio packed / padded, the peak resident memory (``ru_maxrss``) and the share of computed positions
-that were padding.
+Each stage's training computation runs on the same samples both ways (chatrl's own collators,
+forwards and losses, AdamW; one rank, no DeepSpeed: the model code, as ``bench/step2.py``). One
+process per repeat holds both set-ups (the same initial weights) and alternates them step by step,
+each optimizer step timed on its own, so that both see the same machine (this one is shared: its
+load moves by the minute); the first ``--warmup`` steps are not counted. Memory: before each step
+the process's peak resident size is reset (``/proc/self/clear_refs``), and the step's peak above
+what was resident before it is recorded. The JSON gives per mode the median over ``--repeats``
+processes of samples/s and the largest step peak, the median ratio packed / padded, and the share of
+computed positions that were padding.
 
 * ``step1``: SFT on helpful-base + Alpaca (``--seq_len`` tokens), ``--batch`` examples per step;
 * ``step2``: the reward model on helpful-base pairs, ``--batch`` pairs per step;
 * ``dpo``: DPO (policy and a frozen reference copy) on helpful-base pairs;
-* ``step3``: step 3's training phase (PPO: the actor's and the critic's micro-steps, after the
-  experience passes, timed apart) on rollouts made of helpful-base prompts (their last
+* ``step3``: step 3's training phase (PPO: the actor's and the critic's micro-steps; the experience
+  passes before it are timed apart) on rollouts made of helpful-base prompts (their last
   ``--prompt_len`` tokens) and the dataset's chosen answers cut to ``--answer_len`` tokens (answers
   of the lengths a chat model gives, ending with EOS when they fit), ``--batch`` rollouts per
   micro-batch, 2 micro-batches per optimizer step.
@@ -88,90 +91,62 @@ def ordered(dataset, n: int, seed: int = 1234) -> list:
     return [dataset[order[i % len(order)]] for i in range(n)]
 
 
-def padded_positions(batches: list[dict]) -> tuple[int, int]:
-    """(positions computed, real tokens) over collated batches."""
-    computed = real = 0
-    for b in batches:
-        computed += b["input_ids"].numel()
-        real += int(b["packed"].length.sum()) if b.get("packed") is not None else int(b["attention_mask"].sum())
-    return computed, real
+def positions(batch: dict) -> tuple[int, int]:
+    """(positions computed, real tokens) of a collated batch."""
+    real = int(batch["packed"].length.sum()) if batch.get("packed") is not None else int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel(), real
 
 
-def run_steps(steps: list, one_step, warmup: int) -> float:
-    """Seconds for ``steps[warmup:]`` (each a list of micro-batches) through ``one_step``."""
-    for i, micro in enumerate(steps):
-        if i == warmup:
-            t0 = time.perf_counter()
-        one_step(micro)
-    return time.perf_counter() - t0
-
-
-def bench_step1(a, packed: bool) -> dict:
-    import torch
-
-    from chatrl.data import SFTCollator, phase_data
+def step1_runner(a, tok, items, packed: bool):
+    """``(run(i), samples per step, positions)``: optimizer step ``i`` of step 1 (the program's loss)."""
+    from chatrl.data import SFTCollator
     from chatrl.data.collate import MicroBatches, PackedSFTCollator
     from chatrl.logprobs import IGNORE_INDEX
-    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.models import load_causal_lm
     from chatrl.step1_sft.loss import sft_nll
 
-    tok = load_tokenizer(a.model_dir)
-    data = phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, 1234)
     collate = PackedSFTCollator(tok.pad_token_id) if packed else SFTCollator(tok.pad_token_id)
-    micro_batches = MicroBatches(collate, a.batch, 0, "cpu")
-    items = ordered(data.train, (a.warmup + a.steps) * a.batch)
-    steps = [micro_batches(items[i:i + a.batch]) for i in range(0, len(items), a.batch)]
+    steps = [MicroBatches(collate, a.batch, 0, "cpu")(items[i:i + a.batch]) for i in range(0, len(items), a.batch)]
     engine = LocalEngine(load_causal_lm(a.model_dir, tok).train(), 1)
 
-    def one_step(micro):
+    def run(i):
+        micro = steps[i]
         n = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
         for m in micro:
             nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"], packed=m.get("packed"))
             engine.backward(nll / n)
             engine.step()
 
-    seconds = run_steps(steps, one_step, a.warmup)
-    return {"samples_per_s": a.steps * a.batch / seconds, "positions": padded_positions(sum(steps[a.warmup:], []))}
+    return run, a.batch, [positions(m) for micro in steps for m in micro]
 
 
-def bench_pairs(a, packed: bool, dpo: bool) -> dict:
+def pairs_runner(a, tok, items, packed: bool, dpo: bool):
+    """As :func:`step1_runner` for step 2 (``dpo`` False) or DPO: ``--batch`` pairs per step."""
     import copy
 
-    from chatrl.data import PairCollator, phase_data
+    import torch
+
+    from chatrl.data import PairCollator
     from chatrl.data.collate import MicroBatches, PackedPairCollator
-    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.models import load_causal_lm
     from chatrl.reward_model import load_reward_model, pairwise_losses
-    from chatrl.step2_dpo.batch import (
-        DPOCollator,
-        IndexedPairs,
-        PackedDPOCollator,
-        batch_answer_logps,
-        split_pairs,
-    )
+    from chatrl.step2_dpo.batch import DPOCollator, PackedDPOCollator, batch_answer_logps, split_pairs
     from chatrl.step2_dpo.loss import DPOConfig, preference_loss
     from chatrl.step2_dpo.reference import batch_logps
 
-    tok = load_tokenizer(a.model_dir)
-    data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
     if dpo:
         collate = PackedDPOCollator(tok.pad_token_id) if packed else DPOCollator(tok.pad_token_id)
-        pairs = IndexedPairs(data.train)
-    else:
-        collate = PackedPairCollator(tok.pad_token_id) if packed else PairCollator(tok.pad_token_id)
-        pairs = data.train
-    micro_batches = MicroBatches(collate, a.batch, 0, "cpu")
-    items = ordered(pairs, (a.warmup + a.steps) * a.batch)
-    steps = [micro_batches(items[i:i + a.batch]) for i in range(0, len(items), a.batch)]
-    if dpo:
         policy = load_causal_lm(a.model_dir, tok)
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
-        engine = LocalEngine(policy.train(), 1)
-        settings = DPOConfig()
+        engine, settings = LocalEngine(policy.train(), 1), DPOConfig()
     else:
+        collate = PackedPairCollator(tok.pad_token_id) if packed else PairCollator(tok.pad_token_id)
+        torch.manual_seed(0)  # the same fresh head in both set-ups
         engine = LocalEngine(load_reward_model(a.model_dir, tok, require_head=False).train(), 1)
+    steps = [MicroBatches(collate, a.batch, 0, "cpu")(items[i:i + a.batch]) for i in range(0, len(items), a.batch)]
 
-    def one_step(micro):
-        for m in micro:
+    def run(i):
+        for m in steps[i]:
             if dpo:
                 ref = split_pairs(batch_logps(reference, m, "cpu")[0])
                 logps, n = batch_answer_logps(engine, m, "cpu")
@@ -182,8 +157,7 @@ def bench_pairs(a, packed: bool, dpo: bool) -> dict:
             engine.backward(losses.sum() / a.batch)
             engine.step()
 
-    seconds = run_steps(steps, one_step, a.warmup)
-    return {"samples_per_s": a.steps * a.batch / seconds, "positions": padded_positions(sum(steps[a.warmup:], []))}
+    return run, a.batch, [positions(m) for micro in steps for m in micro]
 
 
 def rollouts(a, tok, items) -> list:
@@ -206,71 +180,119 @@ def rollouts(a, tok, items) -> list:
     return Experience(seq, mask, P, action, torch.zeros(action.shape), torch.randn(len(items), generator=g))
 
 
-def bench_step3(a, packed: bool) -> dict:
+def step3_runner(a, tok, items, packed: bool):
+    """As :func:`step1_runner` for step 3: ``run(i)`` makes buffer ``i``'s experience (timed apart, in
+    ``run.experience_s``) and learns from it (PPO, actor and critic)."""
     import copy
+    import time
     from types import SimpleNamespace
 
+    import torch
+
     from chatrl.config import PackingConfig, PPOConfig
-    from chatrl.data import phase_data
-    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.models import load_causal_lm
     from chatrl.reward_model import load_reward_model
     from chatrl.rl.stats import PooledStats
     from chatrl.step3_ppo.trainer import Trainer
 
-    tok = load_tokenizer(a.model_dir)
-    data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
     per_buffer = 2 * a.batch  # two micro-batches: one optimizer step
-    items = ordered(data.train, (a.warmup + a.steps) * per_buffer)
     buffers = [rollouts(a, tok, items[i:i + per_buffer]) for i in range(0, len(items), per_buffer)]
     actor = load_causal_lm(a.model_dir, tok)
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    torch.manual_seed(0)
     critic = load_reward_model(a.model_dir, tok, require_head=False)
-    settings = PPOConfig(per_device_training_batch_size=a.batch)
     trainer = Trainer(LocalEngine(actor, 2), reference, LocalEngine(critic, 2), None, None, SimpleNamespace(value=0.1),
-                      settings, tok, gradient_accumulation_steps=2, answer_len=a.answer_len,
-                      packing=PackingConfig(packing=packed))
-    t_exp = t_train = 0.0
-    for i, exp in enumerate(buffers):
+                      PPOConfig(per_device_training_batch_size=a.batch), tok, gradient_accumulation_steps=2,
+                      answer_len=a.answer_len, packing=PackingConfig(packing=packed))
+
+    def run(i):
         t0 = time.perf_counter()
-        exp, _ = trainer.make_experience([exp], PooledStats())
-        t1 = time.perf_counter()
+        exp, _ = trainer.make_experience([buffers[i]], PooledStats())
+        run.experience_s.append(time.perf_counter() - t0)
         trainer.learn(exp, PooledStats())
-        if i >= a.warmup:
-            t_exp, t_train = t_exp + t1 - t0, t_train + time.perf_counter() - t1
-    n = a.steps * per_buffer
-    computed = sum(b.sequences.numel() for b in buffers[a.warmup:])
-    real = sum(int(b.attention_mask.sum()) for b in buffers[a.warmup:])
-    return {"samples_per_s": n / t_train, "experience_samples_per_s": n / t_exp,
-            "positions": (real if packed else computed, real)}
+
+    run.experience_s = []
+    return run, per_buffer, [(b.sequences.numel() if not packed else int(b.attention_mask.sum()),
+                              int(b.attention_mask.sum())) for b in buffers]
+
+
+def memory_mb(field: str) -> float:
+    """``VmHWM`` / ``VmRSS`` of this process in MiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) / 1024 for x in f if x.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def reset_peak() -> None:
+    """Start a new peak resident size (Linux ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def worker(a) -> None:
+    """One repeat of one stage: both set-ups, alternating step by step; prints one RESULT line."""
     import torch
     import transformers
 
+    from chatrl.data import phase_data
+    from chatrl.models import load_tokenizer
+
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    packed = a.mode == "packed"
+    tok = load_tokenizer(a.model_dir)
+    n_steps = a.warmup + a.steps
     if a.worker == "step1":
-        out = bench_step1(a, packed)
-    elif a.worker in ("step2", "dpo"):
-        out = bench_pairs(a, packed, dpo=a.worker == "dpo")
+        data = phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, 1234)
+        items = ordered(data.train, n_steps * a.batch)
+        runners = {m: step1_runner(a, tok, items, m == "packed") for m in ("padded", "packed")}
+    elif a.worker == "step3":
+        data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
+        items = ordered(data.train, n_steps * 2 * a.batch)
+        runners = {m: step3_runner(a, tok, items, m == "packed") for m in ("padded", "packed")}
     else:
-        out = bench_step3(a, packed)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        from chatrl.step2_dpo.batch import IndexedPairs
+
+        data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
+        items = ordered(IndexedPairs(data.train), n_steps * a.batch)
+        runners = {m: pairs_runner(a, tok, items, m == "packed", a.worker == "dpo") for m in ("padded", "packed")}
+    seconds = {m: 0.0 for m in runners}
+    peak = {m: 0.0 for m in runners}
+    for i in range(n_steps):
+        for mode in (("padded", "packed") if i % 2 == 0 else ("packed", "padded")):
+            run = runners[mode][0]
+            reset_peak()
+            before = memory_mb("VmRSS")
+            t0 = time.perf_counter()
+            run(i)
+            if i >= a.warmup:
+                seconds[mode] += time.perf_counter() - t0
+                peak[mode] = max(peak[mode], memory_mb("VmHWM") - before)
+    out = {}
+    for mode, (run, per_step, pos) in runners.items():
+        computed, real = (sum(p[k] for p in pos) for k in (0, 1))
+        out[mode] = {"samples_per_s": a.steps * per_step / seconds[mode], "step_peak_mb": peak[mode],
+                     "positions": [computed, real]}
+        if hasattr(run, "experience_s"):
+            out[mode]["experience_samples_per_s"] = a.steps * per_step / sum(run.experience_s[a.warmup:])
+            out[mode]["train_samples_per_s"] = a.steps * per_step / (seconds[mode] - sum(run.experience_s[a.warmup:]))
+    out["process_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def measure(a, stage: str, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", stage, "--mode", mode, "--model_dir", a.model_dir, "--cache", a.cache,
-           *[f"--{k}={getattr(a, k)}" for k in ("batch", "seq_len", "prompt_len", "answer_len", "steps", "warmup",
-                                                 "threads")]]
+def measure(a, stage: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", stage, "--model_dir", a.model_dir, "--cache", a.cache,
+           *[f"--{k}={getattr(a, k)}" for k in ("batch", "seq_len", "prompt_len", "answer_len", "warmup", "threads")],
+           f"--worker_steps={a.stage_steps[stage]}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise SystemExit(f"{stage} {mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -282,18 +304,21 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=256, help="steps 1, 2, DPO: max tokens per sequence")
     p.add_argument("--prompt_len", type=int, default=128, help="step 3: max prompt tokens")
     p.add_argument("--answer_len", type=int, default=64, help="step 3: max answer tokens")
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per measurement")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", nargs=4, type=int, default=[16, 24, 3, 6], metavar=("STEP1", "STEP2", "DPO", "STEP3"),
+                   help="timed optimizer steps per repeat of each stage")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: as each of 2 ranks on 2 cores)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker_steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
+        a.steps = a.worker_steps
         return worker(a)
+    a.stage_steps = dict(zip(STAGES, a.steps, strict=True))
     with tempfile.TemporaryDirectory() as work:
         a.cache = str(Path(work) / "cache")
         a.model_dir = a.model
@@ -302,32 +327,36 @@ def main() -> None:
 
             a.model_dir = str(Path(work) / "opt")
             make_tiny_model("opt", a.model_dir, TinySpec(hidden=64, layers=2, heads=4, ffn=256))
-        runs: dict = {s: {"padded": [], "packed": []} for s in a.stages}
+        runs: dict = {s: [] for s in a.stages}
         for r in range(a.repeats):
             for stage in a.stages:
-                for mode in (("padded", "packed") if r % 2 == 0 else ("packed", "padded")):
-                    runs[stage][mode].append(measure(a, stage, mode))
-                    print(f"repeat {r + 1}/{a.repeats} {stage} {mode}: {runs[stage][mode][-1]}", file=sys.stderr,
-                          flush=True)
+                runs[stage].append(measure(a, stage))
+                print(f"repeat {r + 1}/{a.repeats} {stage}: {runs[stage][-1]}", file=sys.stderr, flush=True)
     results = {}
-    for stage, modes in runs.items():
+    for stage, got in runs.items():
         row = {}
-        for mode, got in modes.items():
-            computed, real = got[0]["positions"]
-            row[mode] = {"samples_per_s": statistics.median(g["samples_per_s"] for g in got),
-                         "samples_per_s_all": [round(g["samples_per_s"], 3) for g in got],
-                         "peak_rss_mb": max(g["peak_rss_mb"] for g in got),
+        for mode in ("padded", "packed"):
+            computed, real = got[0][mode]["positions"]
+            row[mode] = {"samples_per_s": statistics.median(g[mode]["samples_per_s"] for g in got),
+                         "samples_per_s_all": [round(g[mode]["samples_per_s"], 3) for g in got],
+                         "step_peak_mb": statistics.median(g[mode]["step_peak_mb"] for g in got),
                          "positions_computed": computed, "padding_share": round(1 - real / computed, 4)}
-            if "experience_samples_per_s" in got[0]:
-                row[mode]["experience_samples_per_s"] = statistics.median(g["experience_samples_per_s"] for g in got)
-        row["ratio_packed_vs_padded"] = row["packed"]["samples_per_s"] / row["padded"]["samples_per_s"]
-        row["peak_rss_ratio"] = row["packed"]["peak_rss_mb"] / row["padded"]["peak_rss_mb"]
-        if "experience_samples_per_s" in row["padded"]:
-            row["experience_ratio"] = row["packed"]["experience_samples_per_s"] / row["padded"]["experience_samples_per_s"]
+            for k in ("experience_samples_per_s", "train_samples_per_s"):
+                if k in got[0][mode]:
+                    row[mode][k] = statistics.median(g[mode][k] for g in got)
+        ratios = [g["packed"]["samples_per_s"] / g["padded"]["samples_per_s"] for g in got]
+        row["ratio_packed_vs_padded"] = statistics.median(ratios)
+        row["ratios_all"] = [round(x, 3) for x in ratios]
+        row["step_peak_ratio"] = row["packed"]["step_peak_mb"] / max(row["padded"]["step_peak_mb"], 1e-9)
+        for k, name in (("train_samples_per_s", "train_ratio"), ("experience_samples_per_s", "experience_ratio")):
+            if k in row["padded"]:
+                row[name] = statistics.median(g["packed"][k] / g["padded"][k] for g in got)
+        row["process_peak_mb"] = max(g["process_peak_mb"] for g in got)
         results[stage] = row
     doc = {"bench": "packing", "model": a.model or "tiny-opt(h64,l2,gpt2-bpe)", "batch": a.batch, "seq_len": a.seq_len,
-           "prompt_len": a.prompt_len, "answer_len": a.answer_len, "steps": a.steps, "warmup": a.warmup,
-           "repeats": a.repeats, "threads": a.threads, "date": time.strftime("%Y-%m-%d"), "results": results}
+           "prompt_len": a.prompt_len, "answer_len": a.answer_len, "steps": a.stage_steps, "warmup": a.warmup,
+           "repeats": a.repeats, "threads": a.threads, "date": time.strftime("%Y-%m-%d"),
+           "load_avg_1min_at_end": os.getloadavg()[0], "results": results}
     text = json.dumps(doc, indent=2)
     print(text)
     if a.out:
