@@ -5,11 +5,13 @@ Each stage's training computation runs on the same samples both ways (chatrl's o
 forwards and losses, AdamW; one rank, no DeepSpeed: the model code, as ``bench/step2.py``). One
 process per repeat holds both set-ups (the same initial weights) and alternates them step by step,
 each optimizer step timed on its own, so that both see the same machine (this one is shared: its
-load moves by the minute); the first ``--warmup`` steps are not counted. Memory: before each step
-the process's peak resident size is reset (``/proc/self/clear_refs``), and the step's peak above
-what was resident before it is recorded. The JSON gives per mode the median over ``--repeats``
-processes of samples/s and the largest step peak, the median ratio packed / padded, and the share of
-computed positions that were padding.
+load moves by the minute); the first ``--warmup`` steps are not counted. Memory: each set-up also
+runs alone in its own process for ``--memory_steps`` steps, whose peak resident size
+(``ru_maxrss``, and above what the set-up left resident) is reported; within the alternating
+process each step's peak above what was resident before it is recorded too (``step_peak_mb``; the
+allocator keeps memory freed by the other set-up's step, so it reads low for the second). The JSON
+gives per mode the median over ``--repeats`` processes of samples/s, the median ratio packed /
+padded, the memory figures and the share of computed positions that were padding.
 
 * ``step1``: SFT on helpful-base + Alpaca (``--seq_len`` tokens), ``--batch`` examples per step;
 * ``step2``: the reward model on helpful-base pairs, ``--batch`` pairs per step;
@@ -246,20 +248,29 @@ def worker(a) -> None:
     torch.set_num_threads(a.threads)
     tok = load_tokenizer(a.model_dir)
     n_steps = a.warmup + a.steps
+    modes = (a.only,) if a.only else ("padded", "packed")
     if a.worker == "step1":
         data = phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, 1234)
         items = ordered(data.train, n_steps * a.batch)
-        runners = {m: step1_runner(a, tok, items, m == "packed") for m in ("padded", "packed")}
+        runners = {m: step1_runner(a, tok, items, m == "packed") for m in modes}
     elif a.worker == "step3":
         data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
         items = ordered(data.train, n_steps * 2 * a.batch)
-        runners = {m: step3_runner(a, tok, items, m == "packed") for m in ("padded", "packed")}
+        runners = {m: step3_runner(a, tok, items, m == "packed") for m in modes}
     else:
         from chatrl.step2_dpo.batch import IndexedPairs
 
         data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
         items = ordered(IndexedPairs(data.train), n_steps * a.batch)
-        runners = {m: pairs_runner(a, tok, items, m == "packed", a.worker == "dpo") for m in ("padded", "packed")}
+        runners = {m: pairs_runner(a, tok, items, m == "packed", a.worker == "dpo") for m in modes}
+    if a.only:  # memory alone: this set-up's own process, its peak above what the set-up left resident
+        setup = memory_mb("VmRSS")
+        for i in range(n_steps):
+            runners[a.only][0](i)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print("RESULT " + json.dumps({"process_peak_mb": peak, "setup_mb": setup, "training_peak_mb": peak - setup}),
+              flush=True)
+        return
     seconds = {m: 0.0 for m in runners}
     peak = {m: 0.0 for m in runners}
     for i in range(n_steps):
@@ -284,10 +295,10 @@ def worker(a) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def measure(a, stage: str) -> dict:
+def measure(a, stage: str, only: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", stage, "--model_dir", a.model_dir, "--cache", a.cache,
            *[f"--{k}={getattr(a, k)}" for k in ("batch", "seq_len", "prompt_len", "answer_len", "warmup", "threads")],
-           f"--worker_steps={a.stage_steps[stage]}"]
+           f"--worker_steps={a.memory_steps if only else a.stage_steps[stage]}", *(["--only", only] if only else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -307,10 +318,12 @@ def main() -> None:
     p.add_argument("--steps", nargs=4, type=int, default=[16, 24, 3, 6], metavar=("STEP1", "STEP2", "DPO", "STEP3"),
                    help="timed optimizer steps per repeat of each stage")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="speed repeats (0: memory alone)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: as each of 2 ranks on 2 cores)")
+    p.add_argument("--memory_steps", type=int, default=2, help="steps of each set-up run alone for its peak memory")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--only", default=None, choices=("padded", "packed"), help=argparse.SUPPRESS)
     p.add_argument("--worker_steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
@@ -332,9 +345,18 @@ def main() -> None:
             for stage in a.stages:
                 runs[stage].append(measure(a, stage))
                 print(f"repeat {r + 1}/{a.repeats} {stage}: {runs[stage][-1]}", file=sys.stderr, flush=True)
+        memory = {s: {m: measure(a, s, only=m) for m in ("padded", "packed")} for s in a.stages}
+        print(f"memory: {memory}", file=sys.stderr, flush=True)
     results = {}
     for stage, got in runs.items():
         row = {}
+        if not got:  # --repeats 0: memory alone
+            for mode in ("padded", "packed"):
+                row[mode] = {"alone_process_peak_mb": memory[stage][mode]["process_peak_mb"],
+                             "alone_training_peak_mb": memory[stage][mode]["training_peak_mb"]}
+            row["alone_process_peak_ratio"] = row["packed"]["alone_process_peak_mb"] / row["padded"]["alone_process_peak_mb"]
+            results[stage] = row
+            continue
         for mode in ("padded", "packed"):
             computed, real = got[0][mode]["positions"]
             row[mode] = {"samples_per_s": statistics.median(g[mode]["samples_per_s"] for g in got),
@@ -352,6 +374,11 @@ def main() -> None:
             if k in row["padded"]:
                 row[name] = statistics.median(g["packed"][k] / g["padded"][k] for g in got)
         row["process_peak_mb"] = max(g["process_peak_mb"] for g in got)
+        for mode in ("padded", "packed"):  # each set-up alone in its own process
+            row[mode]["alone_process_peak_mb"] = memory[stage][mode]["process_peak_mb"]
+            row[mode]["alone_training_peak_mb"] = memory[stage][mode]["training_peak_mb"]
+        row["alone_process_peak_ratio"] = (memory[stage]["packed"]["process_peak_mb"]
+                                           / memory[stage]["padded"]["process_peak_mb"])
         results[stage] = row
     doc = {"bench": "packing", "model": a.model or "tiny-opt(h64,l2,gpt2-bpe)", "batch": a.batch, "seq_len": a.seq_len,
            "prompt_len": a.prompt_len, "answer_len": a.answer_len, "steps": a.stage_steps, "warmup": a.warmup,

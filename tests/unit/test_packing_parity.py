@@ -40,8 +40,8 @@ def grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def close(a, b, tol=TOL):
-    torch.testing.assert_close(a, b, rtol=0, atol=tol)
+def close(a, b, tol=TOL, msg=None):
+    torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=msg)
 
 
 def examples(n_lengths, prompt_lens, seed=0, vocab=1000):
@@ -214,7 +214,7 @@ def test_step3_forwards_and_one_learning_step_packed_equal_padded(family_models,
         tr.learn(exp.rows(slice(0, 8)), PooledStats())
         out.append((logp, entropy, ref, values, grads(actor), grads(critic)))
     for name, a, b in zip(("logp", "entropy", "ref_logp", "values"), out[0][:4], out[1][:4], strict=True):
-        close(b[mask], a[mask]), name
+        close(b[mask], a[mask], msg=name)
         assert float(b[~mask].abs().sum()) == 0.0, name  # nothing beyond an answer
     close(out[1][4], out[0][4])
     close(out[1][5], out[0][5])
