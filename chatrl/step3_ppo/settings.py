@@ -45,6 +45,7 @@ class Step3Settings:
     hybrid: config.HybridEngineConfig = uses(config.HybridEngineConfig)
     log: config.LogConfig = uses(config.LogConfig)
     ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
+    snapshots: config.SnapshotConfig = uses(config.SnapshotConfig)
 
     @property
     def algorithm(self) -> Algorithm:
