@@ -416,7 +416,8 @@ def evaluation_html(output_dir: str | os.PathLike) -> tuple[str, int]:
     desc = (f"{ev['prompts']['count']} held-out prompts; judge {judges.get('judge') or '(none)'}"
             + (f", gold judge {judges['gold']}" if judges.get("gold") else "")
             + (f", KL to {judges['reference']}" if judges.get("reference") else "")
-            + f"; answers: {', '.join(f'{g} ({len(ns)})' for g, ns in ev['decodings'].items())}. "
+            + "; answers: " + ", ".join(g if g == "greedy" else f"{g} ({len(ns)} seeds)"
+                                        for g, ns in ev["decodings"].items()) + ". "
               "Intervals: 95% bootstrap over prompts; docs/evaluation.md explains every figure.")
     checks = "".join(f"<p><b>over-optimisation check ({_esc(c['run'])}):</b> {_esc(c['message'])}</p>"
                      for c in ev.get("over_optimisation") or [])

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     with report_failure():
         settings: EvalSettings = config.read(EvalSettings, cli.parse(build_parser(),
                                                                       sys.argv[1:] if argv is None else argv))
