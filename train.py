@@ -171,6 +171,11 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
 DEMO_EVAL = {"seeds": [1], "per_device_generation_batch_size": 32, "judge_batch_size": 32}
 
 
+# The demo's evaluation (python -m chatrl.eval flags beside those eval_flags derives from the runs): step 3's
+# 93 held-out prompts, greedy and two sampled answers per model, larger batches for the tiny models.
+DEMO_EVAL = {"seeds": [1, 2], "per_device_generation_batch_size": 32, "judge_batch_size": 32}
+
+
 @dataclass
 class PipelineConfig:
     """train.py: which models and steps, where, and how launched."""

@@ -384,6 +384,11 @@ def _frontier(ev: dict):
                                                 "array": [p[ci][1] - p[key] for p in pts],
                                                 "arrayminus": [p[key] - p[ci][0] for p in pts]}))
     fig.add_hline(y=0.5, line_dash="dot", line_color="#888")
+    for check in ev.get("over_optimisation") or []:  # the checkpoint where the gold judge's win rate peaks
+        peak = next((p for p in points if p["label"] == check["peak"] and p.get("gold_win_rate") is not None), None)
+        if peak is not None:
+            fig.add_annotation(x=peak["kl"] if with_kl else peak["step"], y=peak["gold_win_rate"], text="gold peak",
+                               showarrow=True, arrowhead=2, ay=-40, font={"color": "#c0392b"})
     fig.update_layout(title={"text": f"win rate over {ev['baseline']} against "
                              + ("KL to the reference" if with_kl else "step"), "font": {"size": 14}},
                       height=360, template="plotly_white", margin={"l": 50, "r": 10, "t": 40, "b": 40},

@@ -155,8 +155,8 @@ def load_model_tokenizer(path: str, flag: str, trust_remote_code: bool = False):
     except (OSError, ValueError) as e:
         has_files = Path(path).is_dir() and any((Path(path) / f).exists() for f in
                                                  ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        why = "" if has_files else ("the folder holds no tokenizer (tokenizer.json / tokenizer_config.json); chatrl's "
+        why = "" if has_files else ("The folder holds no tokenizer (tokenizer.json / tokenizer_config.json); chatrl's "
                                     "steps save one beside the weights: copy the base model's tokenizer files into it. ")
-        raise UsageError(f"{flag} {path}: cannot load its tokenizer. {why}({type(e).__name__}: {str(e).strip()[:300]})"
-                         ) from None
+        detail = (str(e).strip().splitlines() or [""])[0][:240]
+        raise UsageError(f"{flag} {path}: cannot load its tokenizer. {why}({type(e).__name__}: {detail})") from None
 

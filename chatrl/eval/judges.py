@@ -119,7 +119,7 @@ class FunctionJudge:
         try:
             self.fn = load_reward_fn(spec)
         except (ValueError, ImportError, AttributeError, TypeError) as e:
-            raise UsageError(f"{flag} {spec}: {e}".replace("--reward_fn ", "")) from None
+            raise UsageError(f"{flag} {spec}: " + str(e).replace(f"--reward_fn {spec!r}: ", "")) from None
         self.flag, self.spec, self.name = flag, spec, getattr(self.fn, "__name__", spec)
         self.pairwise = bool(getattr(self.fn, "pairwise", False))
 

@@ -79,6 +79,8 @@ def check_settings(s: EvalSettings) -> list[str]:
         if spec and Path(spec).is_dir() and not has_reward_head(spec):
             raise UsageError(f"{flag} {spec} is not a reward model: it has no scalar 'score' head (a causal LM such "
                              "as step 1's output?). A judge is a reward model (step 2's output) or module:function")
+        if spec and not Path(spec).is_dir():
+            load_judge(spec, flag)  # a function is imported now (cheap); a missing folder is named now
     try:
         return decodings(e.seeds, not e.no_greedy)
     except ValueError as err:

@@ -114,13 +114,13 @@ def test_models_with_other_tokenizers_are_compared_on_text(tmp_path, models, cap
     assert by_pair(r)[("stories260K", "gpt2_tok", "greedy")]["judge"]["win_rate"]["value"] is not None
 
 
-@pytest.mark.parametrize("case", ["no_tokenizer", "schema", "judge_not_rm", "judge_missing", "judge_output",
-                                  "seeds", "model_file"])
+@pytest.mark.parametrize("case", ["no_tokenizer", "schema", "judge_not_rm", "judge_missing", "judge_import",
+                                  "judge_output", "seeds", "model_file"])
 def test_bad_input_gets_a_clear_error(tmp_path, models, capsys, case):
     flags = ["--models", str(STORIES), str(models["random"]), "--judge", JUDGE]
     if case == "no_tokenizer":
         flags[2] = str(models["no_tokenizer"])
-        expect = f"--models {models['no_tokenizer']}: cannot load its tokenizer. the folder holds no tokenizer"
+        expect = f"--models {models['no_tokenizer']}: cannot load its tokenizer. The folder holds no tokenizer"
     elif case == "schema":
         bad = tmp_path / "odd.jsonl"
         bad.write_text('{"question": "q", "answer_text": "a"}\n')
@@ -132,6 +132,9 @@ def test_bad_input_gets_a_clear_error(tmp_path, models, capsys, case):
     elif case == "judge_missing":
         flags[-1] = str(tmp_path / "nowhere")
         expect = "no such folder; a judge is a reward-model folder"
+    elif case == "judge_import":
+        flags[-1] = "nomodule:fn"
+        expect = "--judge nomodule:fn: cannot import 'nomodule': ModuleNotFoundError"
     elif case == "judge_output":
         flags[-1] = f"{HERE / 'eval_judges.py'}:not_numbers"
         expect = "not_numbers returned"

@@ -213,7 +213,8 @@ def test_report_has_an_evaluation_section(tmp_path):
                     for b in ("step3_rlhf@10", "step3_rlhf")],
           "series": [{"run": "r", "label": b, "step": k, "kl": 1.0 + k / 10, "win_rate": 0.55, "ci": [0.45, 0.65],
                       "gold_win_rate": 0.5, "gold_ci": [0.4, 0.6]} for b, k in (("step3_rlhf@10", 10), ("step3_rlhf", 20))],
-          "over_optimisation": [{"run": "r", "message": "the gold judge's win rate is highest at the last checkpoint"}],
+          "over_optimisation": [{"run": "r", "peak": "step3_rlhf",
+                                 "message": "the gold judge's win rate is highest at the last checkpoint"}],
           "examples": [{"prompt": "\n\nHuman: <b>hi</b>\n\nAssistant:",
                         "answers": {"step1_actor": {"decoding": "greedy", "text": "hello", "judge_score": 0.1},
                                     "step3_rlhf": {"decoding": "greedy", "text": "hi!", "judge_score": 0.2}}}]}
@@ -224,4 +225,4 @@ def test_report_has_an_evaluation_section(tmp_path):
     section = doc[doc.index('<section id="evaluation">'):]
     assert "<b>0.550</b> [0.450, 0.650]" in section and section.count("gain within noise") == 2
     assert "over-optimisation check (r)" in section and "&lt;b&gt;hi&lt;/b&gt;" in section
-    assert "judge +0.200" in section
+    assert "judge +0.200" in section and "gold peak" in section
