@@ -65,7 +65,7 @@ def inference_engine(model) -> HybridEngine:
 
 @torch.no_grad()
 def generate_answers(engine: HybridEngine, prompts: Sequence[Sequence[int]], tokenizer, max_new_tokens: int,
-                     sampling: dict) -> torch.Tensor:
+                     sampling: dict, output_logprobs: bool = False):
     """Answers to one batch of prompts: the left-padded batch (:func:`left_pad`) through ``engine``
     (:func:`inference_engine`), stopping at :func:`chatrl.models.stop_token_ids` (the chat template's
     end-of-turn token and the EOS, as ``chat.py`` and step 3), with ``sampling`` from
@@ -74,14 +74,20 @@ def generate_answers(engine: HybridEngine, prompts: Sequence[Sequence[int]], tok
     Args:
         engine: the generating engine. prompts: ``B`` token-id lists (no answer). tokenizer: the
             model's (pad and stop ids). max_new_tokens: the answer budget. sampling: ``do_sample``,
-            ``temperature``, ``top_k``, ``top_p``.
+            ``temperature``, ``top_k``, ``top_p``. output_logprobs: also return the sampler's
+            log-prob of each generated token under the distribution it was drawn from
+            (:meth:`chatrl.hybrid_engine.HybridEngine.generate`).
 
     Returns:
-        ``(B, max_new_tokens)`` long: the generated tokens, the pad id after an answer's first stop id.
+        ``(B, max_new_tokens)`` long: the generated tokens, the pad id after an answer's first stop id;
+        with ``output_logprobs`` a pair ``(tokens, logprobs (B, max_new_tokens) fp32, 0 after the stop)``.
     """
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     out = engine.generate(ids, mask, max_new_tokens=max_new_tokens, **sampling,
-                          eos_token_id=stop_token_ids(tokenizer, engine.module), pad_token_id=tokenizer.pad_token_id)
+                          eos_token_id=stop_token_ids(tokenizer, engine.module), pad_token_id=tokenizer.pad_token_id,
+                          output_logprobs=output_logprobs)
+    if output_logprobs:
+        return out[0][:, ids.shape[1]:], out[1]
     return out[:, ids.shape[1]:]
 
 

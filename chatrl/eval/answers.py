@@ -55,13 +55,15 @@ def encode_eval_prompts(tokenizer, conversations: Sequence[Sequence[dict]], max_
 
 @torch.no_grad()
 def answer_logprob_sums(model, prompts: Sequence[Sequence[int]], generated: torch.Tensor, lengths: Sequence[int],
-                        pad_token_id: int) -> torch.Tensor:
+                        pad_token_id: int, temperature: float = 1.0) -> torch.Tensor:
     """``(B,)`` summed log-probabilities (nats) of each row's first ``lengths[i]`` generated tokens given
-    its prompt, under ``model`` (one forward pass of prompt + answer, position ids from the mask).
+    its prompt, under ``model`` at ``temperature`` (the softmax of logits / T): one forward pass of
+    prompt + answer, position ids from the mask, the LM head on the answer positions only.
 
     Args:
         prompts: ``B`` prompt id lists. generated: ``(B, A)`` tokens after the prompts. lengths: the
             answer tokens of each row (through its stop token). pad_token_id: the padding of the batch.
+        temperature: > 0 (1: the raw logits).
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
@@ -69,9 +71,9 @@ def answer_logprob_sums(model, prompts: Sequence[Sequence[int]], generated: torc
     answer_mask = (torch.arange(gen.shape[1], device=device)[None, :]
                    < torch.as_tensor(list(lengths), device=device)[:, None]).long()
     seq = torch.cat([ids.to(device), gen], dim=1)
-    logits = causal_lm_logits(model, seq, torch.cat([mask.to(device), answer_mask], dim=1))
-    p = ids.shape[1]
-    logp = logprobs_from_logits(logits[:, p - 1:p - 1 + gen.shape[1]], gen)
+    logits = causal_lm_logits(model, seq, torch.cat([mask.to(device), answer_mask], dim=1),
+                              logits_to_keep=gen.shape[1] + 1)
+    logp = logprobs_from_logits(logits[:, :-1].float() / temperature, gen)
     return (logp * answer_mask).sum(dim=1).cpu()
 
 
@@ -104,8 +106,11 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     ``reference`` that reads the model's tokens, each answer's KL is ``Σ_t log π(y_t) − log π_ref(y_t)``
     over its tokens through the stop token: for sampled answers the Monte-Carlo (k1) estimate of
     KL(π‖π_ref) per answer (Schulman 2020, "Approximating KL divergence"), as step 3 logs it; for
-    greedy answers the same log-ratio, not an unbiased KL estimate. Log-probs come from the raw
-    logits (temperature 1), as in step 3.
+    greedy answers the same log-ratio, not an unbiased KL estimate. As in step 3's rollouts, log π is
+    the sampler's own log-prob of each token under the distribution it drew from (temperature,
+    top-k, top-p; greedy: the raw logits) and log π_ref the reference's at the same temperature
+    (:func:`answer_logprob_sums`); for the reference itself the figure is the sampler/forward gap
+    (about 1e-6 nats per token), not an exact 0.
 
     Args:
         model: an HF causal LM in eval mode. tokenizer: its tokenizer (pad and stop ids).
@@ -123,21 +128,22 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     out: dict[str, list[Answer]] = {}
     for name in names:
         if name == GREEDY:
-            how = {"do_sample": False}
+            how, temperature = {"do_sample": False}, 1.0
         else:
             torch.manual_seed(int(name[len("seed"):]))
-            how = sampling
+            how, temperature = sampling, float(sampling.get("temperature", 1.0))
         answers: list[Answer | None] = [None] * len(prompt_ids)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             batch = [prompt_ids[i] for i in rows]
-            gen = generate_answers(engine, batch, tokenizer, max_new_tokens, how)
+            gen, logp = generate_answers(engine, batch, tokenizer, max_new_tokens, how, output_logprobs=True)
             cut = answer_tokens(gen, stops)
             kl = None
             if with_kl:
-                lengths = [len(ids) for ids, _ in cut]
-                kl = (answer_logprob_sums(model, batch, gen, lengths, tokenizer.pad_token_id)
-                      - answer_logprob_sums(reference.model, batch, gen, lengths, tokenizer.pad_token_id)).tolist()
+                lengths = torch.tensor([len(ids) for ids, _ in cut])
+                mine = (logp.cpu() * (torch.arange(gen.shape[1])[None, :] < lengths[:, None])).sum(dim=1)
+                kl = (mine - answer_logprob_sums(reference.model, batch, gen, lengths.tolist(), tokenizer.pad_token_id,
+                                                 temperature)).tolist()
             for j, (i, (ids, ended)) in enumerate(zip(rows, cut, strict=True)):
                 text = tokenizer.decode(ids, skip_special_tokens=True).strip()
                 answers[i] = Answer(text, len(ids), ended, None if kl is None else float(kl[j]))
