@@ -421,7 +421,7 @@ def evaluation_html(output_dir: str | os.PathLike) -> tuple[str, int]:
     desc = (f"{ev['prompts']['count']} held-out prompts; judge {judges.get('judge') or '(none)'}"
             + (f", gold judge {judges['gold']}" if judges.get("gold") else "")
             + (f", KL to {judges['reference']}" if judges.get("reference") else "")
-            + "; answers: " + ", ".join(g if g == "greedy" else f"{g} ({len(ns)} seeds)"
+            + "; answers: " + ", ".join(g if g == "greedy" else f"{g} ({len(ns)} seed{'s' if len(ns) > 1 else ''})"
                                         for g, ns in ev["decodings"].items()) + ". "
               "Intervals: 95% bootstrap over prompts; docs/evaluation.md explains every figure.")
     checks = "".join(f"<p><b>over-optimisation check ({_esc(c['run'])}):</b> {_esc(c['message'])}</p>"
