@@ -171,12 +171,6 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
 DEMO_EVAL = {"seeds": [1], "per_device_generation_batch_size": 32, "judge_batch_size": 32}
 
 
-# The demo's evaluation (python -m chatrl.eval flags beside those eval_flags derives from the runs): step 3's
-# 93 held-out prompts, a greedy and a sampled answer per model (5 models: step 1, three snapshots, the final
-# actor; 34 s of one core), larger batches for the tiny models.
-DEMO_EVAL = {"seeds": [1], "per_device_generation_batch_size": 32, "judge_batch_size": 32}
-
-
 @dataclass
 class PipelineConfig:
     """train.py: which models and steps, where, and how launched."""
@@ -725,8 +719,9 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
     if result.exists() and result.stat().st_mtime > newest and not a.overwrite and not s.evaluation.eval_args:
         print(f"evaluation: {result} is newer than the models; skipped (--overwrite redoes it)", flush=True)
         return
-    cmd = [sys.executable, "-m", "chatrl.eval", *command_flags(eval_flags(pipe, gold), eval_parser()),
-           *shlex.split(s.evaluation.eval_args)]
+    parser = eval_parser()
+    cmd = [sys.executable, "-m", "chatrl.eval", *command_flags(eval_flags(pipe, gold), parser),
+           *cli.resolve_argv(shlex.split(s.evaluation.eval_args), parser, Path.cwd())]
     log_path = out / "logs" / "eval.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"evaluation: {dirs[1].name} against {final.name} (log: {log_path})", flush=True)

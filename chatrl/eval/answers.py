@@ -121,7 +121,7 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     Returns:
         decoding name → ``N`` :class:`Answer` in prompt order.
     """
-    stops = stop_token_ids(tokenizer)
+    stops = stop_token_ids(tokenizer, model)
     engine = inference_engine(model)
     order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
     with_kl = reference is not None and reference.reads(tokenizer)

@@ -18,10 +18,10 @@ class EvalConfig:
                                      "(each with its tokenizer), a DPO output with snapshots/ (its snapshots, then "
                                      "the model), or a step-3 output folder (its snapshots/step_N in step order, "
                                      "then actor/, then actor_ema/ when saved); LABEL=PATH names one",
-                           nargs="+", type=str)
+                           nargs="+", type=str, path="model")
     prompts: list = setting(REQUIRED, "prompt sources: data files/folders or hub data sets in any schema the data "
                                       "layer reads (the prompt of each row; multi-turn conversations stay whole)",
-                            nargs="+", type=str)
+                            nargs="+", type=str, path="data")
     prompts_schema: str | None = setting(None, "force the prompts' schema (hh, pairs, sharegpt, prompts, oasst, "
                                                "alpaca) instead of detecting it", type=str)
     prompts_split: str | None = setting(None, "take only step 3's held-out rows: the phase-3 evaluation rows of "
@@ -34,12 +34,14 @@ class EvalConfig:
     judge: str | None = setting(None, "the judge of the win rates: a reward-model folder (step 2's output), or "
                                       "module:function / file.py:function (a reward function f(prompts, answers, "
                                       "metadata), or a pairwise judge f(prompts, first, second) -> P(first is "
-                                      "better) marked with f.pairwise = True); unset: no win rates", type=str)
+                                      "better) marked with f.pairwise = True); unset: no win rates", type=str,
+                                path="model")
     gold_judge: str | None = setting(None, "a second judge (e.g. a reward model trained on other data, train.py "
                                            "--gold-reward-model): its win rates beside the judge's, and the "
-                                           "over-optimisation check over a checkpoint series", type=str)
+                                           "over-optimisation check over a checkpoint series", type=str,
+                                     path="model")
     reference: str | None = setting(None, "the reference model of the KL figure (step 3's: step 1's actor); "
-                                          "unset: no KL", type=str)
+                                          "unset: no KL", type=str, path="model")
     seeds: list = setting([1, 2], "sampled answers: one per prompt, model and seed (none: greedy answers only)",
                           nargs="*", type=int)
     no_greedy: bool = setting(False, "skip the greedy answers (only sampled ones)")
@@ -55,7 +57,7 @@ class EvalConfig:
     judge_batch_size: int = setting(16, "answers per judge forward pass", unit="answers")
     shown_answers: int = setting(3, "prompts whose answers eval.json and the report show side by side",
                                  unit="prompts")
-    output_dir: str = setting(REQUIRED, "where eval.json and answers.jsonl go", type=str)
+    output_dir: str = setting(REQUIRED, "where eval.json and answers.jsonl go", type=str, path="file")
     device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", type=str)
     disable_progress_bar: bool = setting(False, "no progress bar")
 
@@ -81,5 +83,7 @@ class EvalPipelineConfig:
     gold_reward_model: str | None = setting(None, "also train a gold reward model with this backbone (hub name, "
                                                   "short name or folder) on step 1's share of the preference data "
                                                   "(disjoint from step 2's), as a second judge and the "
-                                                  "over-optimisation check (OUTPUT/step2_gold_reward)", type=str)
-    eval_args: str = setting("", "extra flags for python -m chatrl.eval, as one quoted string")
+                                                  "over-optimisation check (OUTPUT/step2_gold_reward)", type=str,
+                                            path="model")
+    eval_args: str = setting("", "extra flags for python -m chatrl.eval, as one quoted string (local paths in them "
+                                 "are read from the folder train.py is run from)")

@@ -19,7 +19,7 @@ def test_plain_model_uses_step3s_decoder_and_matches_hf_generate():
     ids, mask = left_pad(prompts, tok.pad_token_id)
     with torch.no_grad():
         hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                            eos_token_id=stop_token_ids(tok), pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+                            eos_token_id=stop_token_ids(tok, model), pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     assert ours.shape == (3, 24)
     assert torch.equal(ours[:, :hf.shape[1]], hf) and bool((ours[:, hf.shape[1]:] == tok.pad_token_id).all())
 
