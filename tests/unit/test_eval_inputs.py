@@ -118,3 +118,21 @@ def test_function_judge_errors(tmp_path):
         FunctionJudge("nomodule:fn")
     with pytest.raises(UsageError, match="--gold_judge .*is not a reward model"):
         RewardModelJudge(str(STORIES), "--gold_judge")
+
+
+def test_snapshots_are_written_every_interval_but_the_last_and_listed_in_step_order(tmp_path, capsys):
+    from chatrl.cli import parse
+    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.step3_ppo.main import build_parser
+    from chatrl.weights import list_snapshots, save_snapshot_if_due
+
+    tok = load_tokenizer(str(STORIES))
+    model = load_causal_lm(str(STORIES), tok)
+    written = [step for step in range(1, 13) if save_snapshot_if_due(5, step, 12, model, tok, tmp_path)]
+    assert written == [5, 10] and save_snapshot_if_due(0, 10, 12, model, tok, tmp_path) is None
+    assert [(s, p.name) for s, p in list_snapshots(tmp_path)] == [(5, "step_5"), (10, "step_10")]
+    assert (tmp_path / "snapshots" / "step_5" / "tokenizer.json").exists()
+    with pytest.raises(SystemExit):
+        parse(build_parser(), ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--data_path",
+                               "Dahoas/rm-static", "--output_dir", str(tmp_path / "o"), "--save_hf_interval", "-1"])
+    assert "--save_hf_interval must be >= 0 (0: no snapshots), got -1" in capsys.readouterr().err
