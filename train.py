@@ -11,8 +11,9 @@ steps hand off only through HF folders under ``--output-dir``:
     OUTPUT/step1_actor/          step 1's actor (also step 3's reference)
     OUTPUT/step2_reward/         step 2's reward model (also step 3's critic initialisation)
     OUTPUT/step3_rlhf/actor/     the chat model; critic/ and (--enable_ema) actor_ema/ beside it
-    OUTPUT/logs/stepN.log        each step's full log
-    OUTPUT/report.html           the run report (curves, samples, alerts), refreshed after each step
+    OUTPUT/eval/                 the chat model against step 1's (eval.json, answers.jsonl; docs/evaluation.md)
+    OUTPUT/logs/stepN.log        each step's full log (logs/eval.log: the evaluation's)
+    OUTPUT/report.html           the run report (curves, samples, alerts, evaluation), refreshed after each step
 
 A step whose output already holds a finished run is skipped (``--overwrite`` redoes it); an
 unfinished one (a crash, a killed job) resumes from its newest checkpoint when the same command is
@@ -22,6 +23,11 @@ last, so they override the presets.
 
 ``--step2-method dpo`` replaces steps 2 and 3 by direct preference optimisation of the step-1 actor
 (``OUTPUT/step2_dpo/``, the chat model; ``--step2-args`` pass through to it) and stops there.
+
+After step 3 (or DPO) the chat model is evaluated against step 1's on the prompts step 3 held out
+(``python -m chatrl.eval``; ``--skip-eval`` skips it, ``--eval-args "…"`` passes flags through):
+win rates with intervals judged by step 2's reward model, and with ``--gold-reward-model`` a second,
+gold reward model trained on other data beside step 2 and the over-optimisation check.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from chatrl.cli import normalize_argv
 from chatrl.config import setting, to_argv, uses
 from chatrl.dist import free_port
 from chatrl.errors import UsageError
+from chatrl.eval.main import build_parser as eval_parser
+from chatrl.eval.settings import EvalPipelineConfig
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
 from chatrl.report import report_note
 from chatrl.rl import algorithms
@@ -176,9 +184,15 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
              "max_prompt_seq_len": 128, "max_answer_seq_len": 48, "per_device_generation_batch_size": 16,
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
-             "save_interval": 10}
+             "save_interval": 10, "save_hf_interval": 10}
     # --step2-method dpo: DPO takes step 1's settings; its warm-up stays the 10 steps of its 46 it always had
     return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
+
+
+# The demo's evaluation (python -m chatrl.eval flags beside those eval_flags derives from the runs): step 3's
+# 93 held-out prompts, a greedy and a sampled answer per model (5 models: step 1, three snapshots, the final
+# actor; 34 s of one core), larger batches for the tiny models.
+DEMO_EVAL = {"seeds": [1], "per_device_generation_batch_size": 32, "judge_batch_size": 32}
 
 
 @dataclass
@@ -227,6 +241,7 @@ class PipelineSettings:
     pipeline: PipelineConfig = uses(PipelineConfig)
     rl: config.PPOConfig = uses(config.PPOConfig, only=("rl_algorithm", "num_samples_per_prompt"))
     reward: config.RewardConfig = uses(config.RewardConfig, only=("reward_fn", "reward_url"))
+    evaluation: EvalPipelineConfig = uses(EvalPipelineConfig, title="evaluation")
 
 
 # DPO's settings on train.py's path (beside step 1's actor set-up and a tenth of its learning rate):
@@ -585,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
         print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
+    evaluate_pipeline(pipe)
     if a.step2_method == "dpo":
         if (dirs[2] / RUN_MARKER).exists():
             print(f"chat with the result: {sys.executable} {REPO / 'chat.py'} --path {dirs[2]}", flush=True)
@@ -609,6 +625,147 @@ def results_summary(runs: list[StepRun]) -> list[str]:
         if found:
             lines.append(f"  step {r.step} ({r.name}): {found}")
     return ["results:", *lines] if lines else []
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def disjoint_split(data_split: str) -> str:
+    """The ``--data_split`` whose phase-2 rows are ``data_split``'s phase-1 rows: ``"a,b,c"`` → ``"0,a,b+c"``.
+
+    :func:`chatrl.data.split.phase_parts` cuts one seeded permutation at the cumulative weights, so
+    both splits cut it at the same first boundary: a gold reward model trained with it sees pairs that
+    step 2's reward model never saw (those whose chosen answers step 1 trained on), and none of step 3's
+    prompts.
+    """
+    w = [float(x) for x in data_split.split(",")]
+    return f"0,{w[0]:g},{w[1] + w[2]:g}"
+
+
+def _marker_args(folder: Path) -> dict:
+    try:
+        return dict(json.loads((folder / RUN_MARKER).read_text(encoding="utf-8")).get("args") or {})
+    except (OSError, ValueError):
+        return {}
+
+
+def gold_reward_run(pipe: Pipeline, cwd: str | os.PathLike | None = None) -> StepRun:
+    """The gold reward model's run (``--gold-reward-model``): step 2's program with step 2's presets for
+    the gold backbone and ``--step2-args`` (with the reward-model method), into ``OUTPUT/step2_gold_reward``,
+    on the other share of the preference data: the rows step 1 trained on (:func:`disjoint_split` of the
+    split step 2 uses, same seed), so that it never sees step 2's pairs or step 3's prompts.
+
+    Raises:
+        SystemExit: its command line is refused by step 2's parser (naming the run).
+    """
+    s = pipe.settings
+    a = s.pipeline
+    gold = resolve_model(s.evaluation.gold_reward_model)
+    if a.preset == "demo":
+        presets = demo_plan(pipe.out)[2][2]
+    else:
+        size = size_in_billions(gold)
+        presets = {"data_path": a.data_path or DEFAULT_DATA,
+                   **size_preset(size, size, a.deployment_type, a.actor_zero_stage, a.reward_zero_stage)[2]}
+    if a.reward_zero_stage is not None:
+        presets["zero_stage"] = a.reward_zero_stage
+    folder = pipe.out / "step2_gold_reward"
+    parser = step2_parser()
+    values = {**presets, "model_name_or_path": gold, "output_dir": str(folder), "overwrite_output_dir": a.overwrite,
+              "resume": not a.overwrite}
+    extra = cli.resolve_argv(shlex.split(a.step2_args), parser, Path.cwd() if cwd is None else Path(cwd)) \
+        if a.step2_method == "reward" else []
+    argv = [*command_flags(values, parser), *extra]
+    split = parser.parse_args(argv).data_split  # what step 2 uses (its preset, or --step2-args)
+    argv += ["--data_split", disjoint_split(split)]
+    finished = (folder / RUN_MARKER).exists() and not a.overwrite
+    if not finished:
+        check_step_flags(2, "gold reward model", parser, argv)
+    return StepRun(2, "gold reward model", STEP_MODULES[2], folder, argv, finished)
+
+
+def eval_flags(pipe: Pipeline, gold: Path | None) -> dict:
+    """``python -m chatrl.eval``'s flags for the pipeline: step 1's actor against the chat model (step 3's
+    output with its snapshots and EMA actor, or DPO's), on the prompts step 3 holds out of the same data
+    and split, judged by step 2's reward model (or the single ``--reward-fn`` of a run without one, and
+    DPO's gold reward model), the gold reward model as second judge, KL to step 1's actor."""
+    s, out, dirs = pipe.settings, pipe.out, pipe.dirs
+    dpo = s.pipeline.step2_method == "dpo"
+    final = dirs[2] if dpo else dirs[3]
+    run = _marker_args(final)
+    step2 = _marker_args(gold if dpo and gold is not None else dirs[2])
+    skip2 = plan_pipeline(s)[2]
+    judge = (str(gold) if gold is not None else None) if dpo else (
+        str(dirs[2]) if not skip2 else s.reward.reward_fn[0] if len(s.reward.reward_fn) == 1 and not s.reward.reward_url
+        else None)
+    answer = int(run.get("max_answer_seq_len") or run.get("eval_max_new_tokens") or 64)
+    prompt = int(run.get("max_prompt_seq_len") or max(1, int(run.get("max_seq_len") or 256) - answer))
+    return {"models": [str(dirs[1]), str(final)], "prompts": run.get("data_path"),
+            "prompts_split": run.get("data_split") or "2,4,4", "split_seed": run.get("seed", 1234),
+            "judge": judge, "gold_judge": str(gold) if gold is not None and not dpo else None,
+            "reference": run.get("actor_model_name_or_path") or str(dirs[1]),
+            "max_answer_seq_len": answer, "max_prompt_seq_len": prompt,
+            "judge_max_seq_len": step2.get("max_seq_len"), "dtype": run.get("dtype"),
+            "output_dir": str(out / "eval"), "disable_progress_bar": True,
+            **(DEMO_EVAL if s.pipeline.preset == "demo" else {})}
+
+
+def evaluate_pipeline(pipe: Pipeline) -> None:
+    """Evaluate the pipeline's chat model against step 1's (``python -m chatrl.eval``, :func:`eval_flags`)
+    once step 3 (or DPO) has finished, after training the gold reward model when asked
+    (:func:`gold_reward_run`); the table is printed, ``OUTPUT/eval/`` written and the report refreshed.
+    Skipped with ``--skip-eval``, on nodes other than the first, and when ``OUTPUT/eval`` is newer
+    than the models (``--overwrite`` or ``--eval-args`` redo it).
+
+    Raises:
+        SystemExit: the gold reward model's training or the evaluation failed (names the log), or Ctrl-C.
+    """
+    s, out, dirs = pipe.settings, pipe.out, pipe.dirs
+    a = s.pipeline
+    final = dirs[2] if a.step2_method == "dpo" else dirs[3]
+    if s.evaluation.skip_eval or (a.node_rank or 0) != 0 or not (final / RUN_MARKER).exists() \
+            or not (dirs[1] / "config.json").exists():
+        return
+    gold = None
+    if s.evaluation.gold_reward_model:
+        r = gold_reward_run(pipe)
+        gold = r.out_dir
+        if not r.finished:
+            log_path = out / "logs" / "step2_gold.log"
+            print(f"step 2 ({r.name}) → {r.out_dir}  (log: {log_path})", flush=True)
+            try:
+                took = run_step(2, [*pipe.launcher, "--module", r.module, *r.argv], pipe.env, log_path, r.out_dir,
+                                pipe.nodes, r.name)
+            except Interrupted as stop:
+                print(("\n" if sys.stdout.isatty() else "") + stop.message(a.overwrite), flush=True)
+                raise SystemExit(130) from None
+            print(f"step 2 ({r.name}) done in {took / 60:.1f} min", flush=True)
+    result = out / "eval" / "eval.json"
+    newest = max((f / RUN_MARKER).stat().st_mtime for f in (final, dirs[1], gold) if f is not None and
+                 (f / RUN_MARKER).exists())
+    if result.exists() and result.stat().st_mtime > newest and not a.overwrite and not s.evaluation.eval_args:
+        print(f"evaluation: {result} is newer than the models; skipped (--overwrite redoes it)", flush=True)
+        return
+    parser = eval_parser()
+    cmd = [sys.executable, "-m", "chatrl.eval", *command_flags(eval_flags(pipe, gold), parser),
+           *cli.resolve_argv(shlex.split(s.evaluation.eval_args), parser, Path.cwd())]
+    log_path = out / "logs" / "eval.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"evaluation: {dirs[1].name} against {final.name} (log: {log_path})", flush=True)
+    t0 = time.time()
+    with open(log_path, "a", encoding="utf-8", buffering=1) as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}\n$ " + shlex.join(cmd) + "\n")
+        # the steps' environment: on CPU one intra-op thread, as each rank has
+        proc = subprocess.Popen(cmd, env={**os.environ, **pipe.env}, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            if _worth_showing(line) and not _PROGRESS.search(line):
+                print(f"  {line.rstrip()}", flush=True)
+        code = proc.wait()
+    print(report_note(out), flush=True)
+    if code != 0:
+        raise SystemExit(f"train.py: the evaluation failed with exit code {code}; the models are saved. Full log: "
+                         f"{log_path}; rerun the same command to evaluate again (finished steps are skipped)")
+    print(f"evaluation done in {time.time() - t0:.0f} s: {result}", flush=True)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
         parser.error(f"--save_total_limit must be >= 1 (the newest checkpoint is always kept), got {args.save_total_limit}")
     if getattr(args, "save_interval", 0) < 0:
         parser.error(f"--save_interval must be >= 0 (0: no checkpoints), got {args.save_interval}")
+    if getattr(args, "save_hf_interval", 0) < 0:
+        parser.error(f"--save_hf_interval must be >= 0 (0: no snapshots), got {args.save_hf_interval}")
     resume_from = getattr(args, "resume_from_checkpoint", None)
     if resume_from and not os.path.isdir(resume_from):
         parser.error(f"--resume_from_checkpoint {resume_from}: no such folder")

@@ -365,6 +365,15 @@ class CheckpointConfig:
                                               "guard)", nargs="*", type=int)
 
 
+@dataclass
+class SnapshotConfig:
+    """HF-format snapshots of the trained model during training (step 3 and DPO), for ``python -m chatrl.eval``."""
+
+    save_hf_interval: int = setting(0, "write an HF-format copy of the trained model every N optimizer steps "
+                                       "(step 3: experience buffers) to OUTPUT_DIR/snapshots/step_N, which the "
+                                       "evaluation reads as a checkpoint series (0: off)", unit="steps")
+
+
 # ------------------------------------------------------------------------------------- generation
 class Parser(argparse.ArgumentParser):
     """The command-line parser of every chatrl program.

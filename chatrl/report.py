@@ -6,10 +6,12 @@
 ``step3_rlhf/``) or one step's ``--output_dir``. The report reads only what the steps already
 write: ``logs/metrics.jsonl`` (every curve, train and eval; the rows of a resumed run are joined,
 with its resume points marked), ``logs/samples.jsonl`` (step 3's rollouts over time),
-``chatrl_run.json`` (a finished step's flags and final metrics) and ``OUTPUT_DIR/logs/stepN.log``
-(the command that ran a step). On top: the run-health alerts (:mod:`chatrl.alerts`) with their
+``chatrl_run.json`` (a finished step's flags and final metrics), ``OUTPUT_DIR/logs/stepN.log``
+(the command that ran a step) and ``OUTPUT_DIR/eval/eval.json`` (the evaluation's figures,
+:mod:`chatrl.eval`). On top: the run-health alerts (:mod:`chatrl.alerts`) with their
 step and figure; then per step the headline figures, wall time and its split, the charts, the
-samples and the flags. Charts are drawn with plotly, whose JavaScript is embedded once, so the
+samples and the flags; then the evaluation: win rates with intervals, the KL / win-rate frontier over
+step 3's snapshots, and answers side by side. Charts are drawn with plotly, whose JavaScript is embedded once, so the
 file opens offline and makes no network requests. Running the command again on a live output
 folder refreshes the report. ``docs/report.md`` describes the report and the alert rules.
 
@@ -30,11 +32,13 @@ from pathlib import Path
 
 from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
 from chatrl.checkpoint import RUN_MARKER
+from chatrl.eval import EVAL_FILE
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics
 
 REPORT_FILE = "report.html"
 STEP_FOLDERS = {"step1_actor": (1, "step 1: supervised fine-tuning"), "step2_reward": (2, "step 2: reward model"),
-                "step3_rlhf": (3, "step 3: RLHF")}
+                "step3_rlhf": (3, "step 3: RLHF"),
+                "step2_gold_reward": (4, "gold reward model (a second judge for the evaluation)")}
 # Counters and sizes that are not curves worth a chart.
 NOT_CHARTED = {"samples", "elapsed_min", "train/tokens", "eval/tokens", "eval/pairs"}
 # Metrics drawn together on one chart (step 3); any other metric gets its own chart, with train/X and eval/X together.
@@ -312,6 +316,124 @@ def _flags_html(run: StepRun) -> str:
     return "<h3>Flags</h3>" + "".join(parts) if parts else ""
 
 
+
+# ------------------------------------------------------------------------------------------- evaluation
+def find_eval(output_dir: str | os.PathLike) -> dict | None:
+    """The evaluation of ``output_dir`` (``eval/eval.json`` in train.py's folder, or ``eval.json`` in an
+    evaluation's own folder), or None."""
+    for path in (Path(output_dir) / "eval" / EVAL_FILE, Path(output_dir) / EVAL_FILE):
+        if path.is_file():
+            try:
+                return json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                return None
+    return None
+
+
+def _num(x, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _rate_cell(d: dict | None) -> str:
+    if not d:
+        return "-"
+    w = d["win_rate"]
+    cls = "noise" if w["within_noise"] else "gain" if w["value"] > 0.5 else "loss"
+    return f'<span class="{cls}"><b>{w["value"]:.3f}</b> [{w["ci"][0]:.3f}, {w["ci"][1]:.3f}]</span>'
+
+
+def _eval_table(ev: dict) -> str:
+    fig = ev["figures"]
+    gold = any(p.get("gold") for p in ev["pairs"])
+    head = ("<tr><th>model B</th><th>against A</th><th>answers</th><th>win rate of B [95% interval]</th>"
+            "<th>length-controlled</th>" + ("<th>gold judge's win rate</th>" if gold else "") +
+            "<th>length, tokens (B / A)</th><th>EOS rate</th><th>distinct-1 / -2 of B</th><th>KL of B (nats)</th>"
+            "<th></th></tr>")
+    rows = []
+    for p in ev["pairs"]:
+        fa, fb, j = fig[p["a"]][p["decoding"]], fig[p["b"]][p["decoding"]], p.get("judge")
+        note = ("" if j is None else "gain within noise" if j["win_rate"]["within_noise"]
+                else "B better" if j["win_rate"]["value"] > 0.5 else "A better")
+        rows.append(f"<tr><td>{_esc(p['b'])}</td><td>{_esc(p['a'])}</td><td>{_esc(p['decoding'])}</td>"
+                    f"<td>{_rate_cell(j)}</td><td>{_num(j['length_controlled']['value']) if j else '-'}</td>"
+                    + (f"<td>{_rate_cell(p.get('gold'))}</td>" if gold else "") +
+                    f"<td>{_num(fb['length_tokens'], '.1f')} / {_num(fa['length_tokens'], '.1f')}</td>"
+                    f"<td>{_num(fb['eos_rate'], '.2f')} / {_num(fa['eos_rate'], '.2f')}</td>"
+                    f"<td>{_num(fb['distinct_1'], '.2f')} / {_num(fb['distinct_2'], '.2f')}</td>"
+                    f"<td>{_num(fb['kl'], '.3f')}</td><td>{note}</td></tr>")
+    return f'<table class="eval">{head}{"".join(rows)}</table>'
+
+
+def _frontier(ev: dict):
+    """The KL / win-rate frontier over the checkpoint series (plotly figure), or None without a series."""
+    import plotly.graph_objects as go
+
+    points = [p for p in ev.get("series") or [] if p.get("win_rate") is not None]
+    if not points:
+        return None
+    with_kl = all(p.get("kl") is not None for p in points)
+    fig = go.Figure()
+    for key, ci, name in (("win_rate", "ci", "judge"), ("gold_win_rate", "gold_ci", "gold judge")):
+        pts = [p for p in points if p.get(key) is not None]
+        if not pts:
+            continue
+        xs = [p["kl"] if with_kl else p["step"] for p in pts]
+        fig.add_trace(go.Scatter(
+            x=xs, y=[p[key] for p in pts], mode="lines+markers+text", name=name, text=[p["label"] for p in pts],
+            textposition="top center", error_y={"type": "data", "symmetric": False,
+                                                "array": [p[ci][1] - p[key] for p in pts],
+                                                "arrayminus": [p[key] - p[ci][0] for p in pts]}))
+    fig.add_hline(y=0.5, line_dash="dot", line_color="#888")
+    for check in ev.get("over_optimisation") or []:  # the checkpoint where the gold judge's win rate peaks
+        peak = next((p for p in points if p["label"] == check["peak"] and p.get("gold_win_rate") is not None), None)
+        if peak is not None:
+            fig.add_annotation(x=peak["kl"] if with_kl else peak["step"], y=peak["gold_win_rate"], text="gold peak",
+                               showarrow=True, arrowhead=2, ay=-40, font={"color": "#c0392b"})
+    fig.update_layout(title={"text": f"win rate over {ev['baseline']} against "
+                             + ("KL to the reference" if with_kl else "step"), "font": {"size": 14}},
+                      height=360, template="plotly_white", margin={"l": 50, "r": 10, "t": 40, "b": 40},
+                      xaxis_title="KL to the reference (nats per answer)" if with_kl else "optimizer step",
+                      yaxis_title="win rate")
+    return fig
+
+
+def _examples_html(ev: dict) -> str:
+    rows = []
+    for ex in ev.get("examples") or []:
+        cells = "".join(
+            f"<td><pre>{_esc(a['text'])}</pre><span class=\"sub\">{_esc(label)} ({_esc(a['decoding'])})"
+            + "".join(f", {_esc(k[:-6])} {v:+.3f}" for k, v in a.items() if k.endswith("_score")) + "</span></td>"
+            for label, a in ex["answers"].items())
+        rows.append(f"<tr><td><pre>{_esc(_tail(ex['prompt'], 600))}</pre></td>{cells}</tr>")
+    if not rows:
+        return ""
+    return f'<h3>Answers side by side</h3><table class="samples"><tr><th>prompt (end)</th>' \
+           f'{"".join(f"<th>{_esc(m)}</th>" for m in ev["examples"][0]["answers"])}</tr>{"".join(rows)}</table>'
+
+
+def evaluation_html(output_dir: str | os.PathLike) -> tuple[str, int]:
+    """The report's Evaluation section (``OUTPUT/eval/eval.json``, :mod:`chatrl.eval`) and its number of
+    charts; ``("", 0)`` when the folder holds no evaluation."""
+    ev = find_eval(output_dir)
+    if not ev:
+        return "", 0
+    judges = ev.get("judges") or {}
+    desc = (f"{ev['prompts']['count']} held-out prompts; judge {judges.get('judge') or '(none)'}"
+            + (f", gold judge {judges['gold']}" if judges.get("gold") else "")
+            + (f", KL to {judges['reference']}" if judges.get("reference") else "")
+            + "; answers: " + ", ".join(g if g == "greedy" else f"{g} ({len(ns)} seed{'s' if len(ns) > 1 else ''})"
+                                        for g, ns in ev["decodings"].items()) + ". "
+              "Intervals: 95% bootstrap over prompts; docs/evaluation.md explains every figure.")
+    checks = "".join(f"<p><b>over-optimisation check ({_esc(c['run'])}):</b> {_esc(c['message'])}</p>"
+                     for c in ev.get("over_optimisation") or [])
+    fig = _frontier(ev)
+    chart = "" if fig is None else ('<div class="chart">' + fig.to_html(
+        full_html=False, include_plotlyjs=False, div_id="chart-eval-frontier",
+        config={"displaylogo": False, "responsive": True}) + "</div>")
+    return (f'<section id="evaluation"><h2>Evaluation</h2><p class="sub">{_esc(desc)}</p>{_eval_table(ev)}{checks}'
+            f"{chart}{_examples_html(ev)}</section>", int(fig is not None))
+
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1500px}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
@@ -321,6 +443,7 @@ table.alerts{border:2px solid #c0392b} table.alerts th{background:#fbeaea}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(440px,1fr));gap:8px}
 .chart{border:1px solid #eee;border-radius:4px}
 pre{white-space:pre-wrap;margin:0;font-size:12px;max-width:640px} pre.cmd{max-width:none;background:#f6f6f6;padding:6px}
+.gain{color:#1e7e34} .loss{color:#c0392b} .noise{color:#8a6d00}
 """
 
 
@@ -343,13 +466,15 @@ def build_html(output_dir: str | os.PathLike) -> tuple[str, int]:
                         f'<p class="sub">{_esc(run.folder)}</p><table class="head">{heads}</table>'
                         f'<h3>Curves ({len(figs)})</h3><div class="charts">{charts}</div>'
                         f"{_samples_html(run.samples)}{_flags_html(run)}</section>")
+    evaluation, n_eval_charts = evaluation_html(output_dir)
+    n_charts += n_eval_charts
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     doc = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="chatrl-charts" content="{n_charts}">'
            f"<title>chatrl run report: {_esc(Path(output_dir).resolve().name)}</title><style>{CSS}</style>"
            f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
            f"<h1>chatrl run report</h1><p class=\"sub\">{_esc(Path(output_dir).resolve())} · written {when} · "
            f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.report {_esc(output_dir)}</code></p>"
-           f"<h2>Run-health alerts</h2>{_alerts_html(runs)}{''.join(sections)}</body></html>")
+           f"<h2>Run-health alerts</h2>{_alerts_html(runs)}{''.join(sections)}{evaluation}</body></html>")
     return doc, n_charts
 
 

@@ -5,7 +5,8 @@ whole state dict on rank 0 one module at a time, and :func:`save_hf_model` write
 (ZeRO-3 partitions gathered, LoRA merged by peft, safetensors, each file moved into place
 atomically) that loads with plain ``from_pretrained``; :func:`atomic_dir` is the
 write-then-rename folder used for other outputs too. Plain (unpartitioned) tensors pass through
-unchanged, so the same calls serve every ZeRO stage.
+unchanged, so the same calls serve every ZeRO stage. :func:`save_snapshot_if_due` writes the HF
+snapshots of ``--save_hf_interval`` (``OUTPUT_DIR/snapshots/step_N``) and :func:`list_snapshots` finds them.
 """
 
 from __future__ import annotations
@@ -159,3 +160,30 @@ def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("saved HF model to %s", out)
     barrier()
+
+
+SNAPSHOT_DIR = "snapshots"
+
+
+def save_snapshot_if_due(interval: int, step: int, total_steps: int, module: torch.nn.Module, tokenizer,
+                         output_dir: str | os.PathLike) -> Path | None:
+    """Write ``module`` as an HF folder ``OUTPUT_DIR/snapshots/step_{step}`` (:func:`save_hf_model`)
+    when ``interval`` (``--save_hf_interval``) divides ``step`` and ``step`` is not the last one (the
+    final model is saved anyway). All ranks call it. Returns the folder written, or None."""
+    if not interval or step % interval or step >= total_steps:
+        return None
+    path = Path(output_dir) / SNAPSHOT_DIR / f"step_{step}"
+    save_hf_model(module, tokenizer, path)
+    return path
+
+
+def list_snapshots(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete snapshot under ``OUTPUT_DIR/snapshots``, in step order
+    (a folder counts once its ``config.json``, written last by :func:`save_hf_model`, is there)."""
+    root = Path(output_dir) / SNAPSHOT_DIR
+    found = []
+    for d in root.glob("step_*") if root.is_dir() else []:
+        tail = d.name[len("step_"):]
+        if tail.isdigit() and (d / "config.json").is_file():
+            found.append((int(tail), d))
+    return sorted(found)

@@ -59,7 +59,7 @@ from chatrl.step2_dpo.loss import DPOConfig, preference_loss, reward_stats
 from chatrl.step2_dpo.reference import build_reference, reference_kind
 from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
-from chatrl.weights import save_hf_model
+from chatrl.weights import save_hf_model, save_snapshot_if_due
 
 log = logging.getLogger("chatrl.step2_dpo")
 
@@ -85,6 +85,7 @@ class DPOSettings(config.TrainingSettings):
     dpo: DPOConfig = uses(DPOConfig, title="DPO")
     reference: ReferenceConfig = uses(ReferenceConfig, title="DPO")
     eos_check: config.EosCheckConfig = uses(config.EosCheckConfig, title="evaluation")
+    snapshots: config.SnapshotConfig = uses(config.SnapshotConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,6 +268,8 @@ def run(argv: list[str] | None = None) -> dict:
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe(metrics)}")
             ckpt.save_if_due(step, total_steps, state)
+            save_snapshot_if_due(s.snapshots.save_hf_interval, step, total_steps, engine.module, tokenizer,
+                                 s.log.output_dir)  # the policy as an HF folder, for python -m chatrl.eval
             if step >= total_steps or ckpt.stop_here(step):
                 break
         if ckpt.stop_here(step):

@@ -47,7 +47,7 @@ from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers
 from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
 from chatrl.tracking import Tracker, Trend
-from chatrl.weights import save_hf_model
+from chatrl.weights import save_hf_model, save_snapshot_if_due
 
 log = logging.getLogger("chatrl.step3")
 
@@ -294,6 +294,8 @@ def train(run: Step3Run) -> dict:
                                tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
                                (exp.kl[0] * exp.action_mask[0]).sum().item(), show=s.rollout.print_answers)
             ckpt.save_if_due(step, total_buffers, state())
+            save_snapshot_if_due(s.snapshots.save_hf_interval, step, total_buffers, engines.actor.module, tokenizer,
+                                 s.log.output_dir)  # the actor as an HF folder, for python -m chatrl.eval
             if step >= total_buffers or ckpt.stop_here(step):
                 break
         if ckpt.stop_here(step):

@@ -46,6 +46,7 @@ class Step3Settings:
     packing: config.PackingConfig = uses(config.PackingConfig)
     log: config.LogConfig = uses(config.LogConfig)
     ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
+    snapshots: config.SnapshotConfig = uses(config.SnapshotConfig)
 
     @property
     def algorithm(self) -> Algorithm:

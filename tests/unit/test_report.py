@@ -192,3 +192,37 @@ def test_web_chat_columns_say_which_model_is_rlhf_and_which_sft(tmp_path):
     assert model_role(str(out / "step1_actor")) == "SFT (step 1)"
     assert model_role(str(out / "step2_dpo")) == "DPO (step 2)"
     assert model_role(str(out / "step3_rlhf")) is None and model_role(str(tmp_path / "nope")) is None
+
+
+def test_report_has_an_evaluation_section(tmp_path):
+    """train.py's OUTPUT/eval/eval.json (chatrl.eval) gives a section: the pair table with intervals and
+    the within-noise mark, the over-optimisation line, the KL / win-rate frontier (one chart more), and
+    answers side by side (escaped)."""
+    from chatrl.report import build_html
+
+    out = make_output(tmp_path / "out")
+    before = build_html(out)[1]
+    fig = {"answers": 4, "length_tokens": 10.0, "length_chars": 40.0, "eos_rate": 0.5, "distinct_1": 0.8,
+           "distinct_2": 0.9, "kl": 1.5}
+    wr = {"win_rate": {"value": 0.55, "ci": [0.45, 0.65], "within_noise": True},
+          "length_controlled": {"value": 0.52, "ci": [0.42, 0.62], "within_noise": True}, "ties": 0.1}
+    ev = {"baseline": "step1_actor", "prompts": {"count": 93}, "decodings": {"sampled": ["seed1", "seed2"]},
+          "judges": {"judge": "step2_reward", "gold": "gold", "reference": "step1_actor"},
+          "figures": {m: {"sampled": fig} for m in ("step1_actor", "step3_rlhf@10", "step3_rlhf")},
+          "pairs": [{"a": "step1_actor", "b": b, "decoding": "sampled", "judge": wr, "gold": wr}
+                    for b in ("step3_rlhf@10", "step3_rlhf")],
+          "series": [{"run": "r", "label": b, "step": k, "kl": 1.0 + k / 10, "win_rate": 0.55, "ci": [0.45, 0.65],
+                      "gold_win_rate": 0.5, "gold_ci": [0.4, 0.6]} for b, k in (("step3_rlhf@10", 10), ("step3_rlhf", 20))],
+          "over_optimisation": [{"run": "r", "peak": "step3_rlhf",
+                                 "message": "the gold judge's win rate is highest at the last checkpoint"}],
+          "examples": [{"prompt": "\n\nHuman: <b>hi</b>\n\nAssistant:",
+                        "answers": {"step1_actor": {"decoding": "greedy", "text": "hello", "judge_score": 0.1},
+                                    "step3_rlhf": {"decoding": "greedy", "text": "hi!", "judge_score": 0.2}}}]}
+    (out / "eval").mkdir()
+    (out / "eval" / "eval.json").write_text(json.dumps(ev))
+    doc, charts = build_html(out)
+    assert charts == before + 1 and 'id="chart-eval-frontier"' in doc
+    section = doc[doc.index('<section id="evaluation">'):]
+    assert "<b>0.550</b> [0.450, 0.650]" in section and section.count("gain within noise") == 2
+    assert "over-optimisation check (r)" in section and "&lt;b&gt;hi&lt;/b&gt;" in section
+    assert "judge +0.200" in section and "gold peak" in section

@@ -1,0 +1,5 @@
+"""``python -m chatrl.eval``: see :mod:`chatrl.eval.main`."""
+
+from chatrl.eval.main import main
+
+main()
