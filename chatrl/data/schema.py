@@ -27,6 +27,7 @@ from chatrl.errors import UsageError
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
+TOOL = "\n\nTool:"  # a tool's output in the Human/Assistant convention (docs/multi_turn.md)
 
 # What a source can feed: pairs go to every phase, SFT data to phase 1, prompts to phase 3.
 KIND_PAIRS = "pairs"
