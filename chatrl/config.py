@@ -128,6 +128,14 @@ class DataConfig:
 
 
 @dataclass
+class TemplateCheckConfig:
+    """The chat-template check at start-up (steps 1 and 3, docs/multi_turn.md)."""
+
+    skip_template_check: bool = setting(False, "do not stop when the chat-template check on a few data rows fails at "
+                                               "start-up (python -m chatrl.check_template); the skip is logged")
+
+
+@dataclass
 class EosCheckConfig:
     """Whether greedy answers end their turn (steps 1 and DPO)."""
 

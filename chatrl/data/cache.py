@@ -28,7 +28,7 @@ from chatrl.weights import atomic_dir
 log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the building rules change.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 Columns = dict[str, list]
 

@@ -53,8 +53,10 @@ class SFTCollator:
     """Phase-1 batches: ``input_ids (B, T)``, ``attention_mask (B, T)``, ``labels (B, T)``.
 
     ``labels`` equal ``input_ids`` (aligned: the model shifts them) with ``-100`` on pads and, when
-    ``mask_prompt``, on the first ``prompt_len`` tokens of each row; the answer's EOS is a label.
-    Items are ``{"input_ids": (T_i,), "prompt_len": int}``.
+    ``mask_prompt``, everywhere outside each row's trained spans: its ``trained_spans``
+    ``[start_0, end_0, ...]`` (the answer, or every assistant turn of a conversation; each
+    turn's end-of-turn token is a label), else the tokens after ``prompt_len``. Items are
+    ``{"input_ids": (T_i,), "prompt_len": int, "trained_spans"?: (2S,)}``.
     """
 
     def __init__(self, pad_token_id: int, mask_prompt: bool = True, padding_side: str = "right"):
@@ -66,9 +68,14 @@ class SFTCollator:
         ids, mask, starts = pad_sequences([x["input_ids"] for x in batch], self.pad_token_id, self.padding_side)
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         if self.mask_prompt:
+            keep = torch.zeros_like(mask, dtype=torch.bool)
             for b, x in enumerate(batch):
                 s = int(starts[b])
-                labels[b, s:s + int(x["prompt_len"])] = IGNORE_INDEX
+                spans = x.get("trained_spans")
+                spans = [int(v) for v in spans] if spans is not None else [int(x["prompt_len"]), len(x["input_ids"])]
+                for a, e in zip(spans[::2], spans[1::2], strict=True):
+                    keep[b, s + a:s + e] = True
+            labels = labels.masked_fill(~keep, IGNORE_INDEX)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 

@@ -25,15 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chatrl.data.schema import ASSISTANT, HUMAN, TOOL
+from chatrl.data.schema import ASSISTANT, HUMAN, ROLES, TOOL
 from chatrl.models import end_of_turn_token_id, special_token_texts
 
 # Bump when the text or token layout produced here changes: it invalidates the token caches.
-FORMAT_VERSION = 2
-
-ROLES = ("system", "user", "assistant", "tool")
-"""Message roles: ``tool`` turns carry a tool's output (an environment's observation, docs/multi_turn.md)."""
-
+FORMAT_VERSION = 3
 
 def check_messages(messages: Sequence[dict], *, prompt: bool = True) -> None:
     """Raise ValueError unless ``messages`` are ``{"role": one of ROLES, "content": str}`` dicts

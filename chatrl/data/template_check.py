@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from chatrl.data.formatting import uses_chat_template
+from chatrl.data.sources import read_source
 from chatrl.data.turns import (
     ConversationIds,
     encode_conversation,
@@ -303,17 +304,22 @@ def format_table(findings: Sequence[Finding], title: str = "") -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
-def startup_conversations(samples: Iterable, n: int = 3, answer: str = "OK.") -> dict[str, list[dict]]:
-    """Up to ``n`` conversations from a step's data samples (:class:`chatrl.data.schema.Sample`), as
-    that step trains them: a conversation sample whole, with its answer (``answer`` for prompt-only
-    rows) as the last assistant turn; a single-turn sample's last exchange (its earlier turns are
-    prompt text, not turns of chatrl's layout)."""
+def startup_conversations(data_paths: Sequence[str], n: int = 3, answer: str = "OK.",
+                          turn_by_turn: bool = False) -> dict[str, list[dict]]:
+    """Up to ``n`` conversations from the first ``--data_path`` entry's samples, as a step trains
+    them: a conversation sample (or any, with ``turn_by_turn``) whole, with its answer (``answer``
+    for prompt-only rows) as the last assistant turn; a single-turn sample's last exchange (its
+    earlier turns are prompt text, not turns of chatrl's layout).
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`chatrl.data.sources.read_source`.
+    """
     out: dict[str, list[dict]] = {}
-    for i, s in enumerate(samples):
+    for i, s in enumerate(read_source(data_paths[0]).samples):
         if len(out) >= n:
             break
         msgs = [dict(m) for m in s.messages]
-        if not getattr(s, "conversation", False):
+        if not (s.conversation or turn_by_turn):
             last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
             msgs = [m for m in msgs[:last + 1] if m["role"] == "system"] + msgs[last + 1:]
         out[f"row {i}"] = [*msgs, _msg("assistant", s.chosen if s.chosen else answer)]
