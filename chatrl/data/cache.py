@@ -72,7 +72,8 @@ def _features(phase: int):
     import datasets
 
     ids = datasets.List(datasets.Value("int32"))
-    kinds = {"prompt_len": datasets.Value("int32"), "metadata": datasets.Value("string")}
+    kinds = {"prompt_len": datasets.Value("int32"), "metadata": datasets.Value("string"),
+             "messages": datasets.Value("string")}
     return datasets.Features({c: kinds.get(c, ids) for c in PHASE_COLUMNS[phase]})
 
 

@@ -95,8 +95,9 @@ class PairCollator:
 
 class PromptCollator:
     """Phase-3 batches for generation: LEFT-padded ``input_ids (B, T)`` and ``attention_mask (B, T)``.
-    Items are ``{"prompt_ids": (P_i,), "metadata": dict}``. With ``with_metadata`` the batch also
-    holds ``"metadata"``: the ``B`` rows' reward metadata dicts (a list, not a tensor)."""
+    Items are ``{"prompt_ids": (P_i,), "metadata": dict, "messages"?: list}``. With ``with_metadata``
+    the batch also holds ``"metadata"``: the ``B`` rows' reward metadata dicts (a list, not a
+    tensor), and ``"messages"``: their prompt turns (an environment's episodes start from them)."""
 
     def __init__(self, pad_token_id: int, with_metadata: bool = False):
         self.pad_token_id, self.with_metadata = pad_token_id, with_metadata
@@ -106,4 +107,5 @@ class PromptCollator:
         out = {"input_ids": ids, "attention_mask": mask}
         if self.with_metadata:
             out["metadata"] = [dict(x.get("metadata") or {}) for x in batch]
+            out["messages"] = [list(x.get("messages") or []) for x in batch]
         return out

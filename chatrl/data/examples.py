@@ -8,8 +8,9 @@
   ``--train_all_assistant_turns``, where ``prompt_len`` is where the last turn starts.
 - Phase 2 (reward model): ``{"chosen_input_ids", "rejected_input_ids", "prompt_len"}``, both
   sides sharing one prompt.
-- Phase 3 (PPO): ``{"prompt_ids", "metadata"}``; ``metadata`` is the sample's reward metadata as
-  a JSON object text (``"{}"`` when it has none), see :class:`~chatrl.data.schema.Sample`.
+- Phase 3 (PPO): ``{"prompt_ids", "metadata", "messages"}``; ``metadata`` is the sample's reward
+  metadata as a JSON object text (``"{}"`` when it has none), see :class:`~chatrl.data.schema.Sample`;
+  ``messages`` its prompt turns as a JSON list (an environment's episode starts from them).
 
 Conversation samples (:attr:`chatrl.data.schema.Sample.conversation`) are laid out turn by turn in
 every phase: their prompt is :func:`chatrl.data.turns.encode_conversation`'s (the same ids as
@@ -38,7 +39,7 @@ from chatrl.data.turns import encode_conversation
 PHASE_COLUMNS = {
     1: ("input_ids", "prompt_len", "trained_spans"),
     2: ("chosen_input_ids", "rejected_input_ids", "prompt_len"),
-    3: ("prompt_ids", "metadata"),
+    3: ("prompt_ids", "metadata", "messages"),
 }
 
 
@@ -168,7 +169,8 @@ def tokenize_samples(phase: int, samples: Sequence[Sample], tokenizer, max_seq_l
                 out.append(("too_long", False))
             else:
                 meta = json.dumps(s.metadata or {}, sort_keys=True, ensure_ascii=False)
-                out.append(({"prompt_ids": cut, "metadata": meta}, len(cut) < len(p)))
+                msgs = json.dumps([dict(m) for m in s.messages], ensure_ascii=False)
+                out.append(({"prompt_ids": cut, "metadata": meta, "messages": msgs}, len(cut) < len(p)))
         return out
     # Prompt + answer tokenized as one text (formatting.encode_examples): the ids at the boundary
     # are those of the joined text, and no data text becomes a special token.

@@ -36,7 +36,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     Items are dicts: id columns (and phase 1's ``trained_spans``) as ``LongTensor (T,)``,
     ``prompt_len`` as ``int``, phase 3's
-    ``metadata`` as a ``dict`` (the reward metadata of the prompt's row, ``{}`` if none).
+    ``metadata`` as a ``dict`` and ``messages`` (its prompt turns) as a list (the reward metadata of the prompt's row, ``{}`` if none).
     ``hf`` is the underlying ``datasets.Dataset``.
     """
 
@@ -48,7 +48,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         row = self.hf[int(i)]
-        return {k: int(v) if k == "prompt_len" else json.loads(v) if k == "metadata"
+        return {k: int(v) if k == "prompt_len" else json.loads(v) if k in ("metadata", "messages")
                 else torch.tensor(v, dtype=torch.long) for k, v in row.items()}
 
 
@@ -153,7 +153,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
     - phase 1: ``{"input_ids": (T,), "prompt_len": int, "trained_spans": (2S,)}``, prompt + answer +
       EOS (or a conversation's turns), ``T ≤ max_seq_len``, the trained token ranges;
     - phase 2: ``{"chosen_input_ids": (Tc,), "rejected_input_ids": (Tr,), "prompt_len": int}``;
-    - phase 3: ``{"prompt_ids": (P,), "metadata": dict}``, ``P ≤ max_prompt_len``.
+    - phase 3: ``{"prompt_ids": (P,), "metadata": dict, "messages": list}``, ``P ≤ max_prompt_len``.
 
     Args:
         phase: 1 (SFT), 2 (reward model) or 3 (PPO).
