@@ -16,13 +16,20 @@ import torch
 from chatrl.data.formatting import encode_example
 from chatrl.data.turns import encode_conversation, observation_ids
 from chatrl.envs import EnvError, check_step, load_environment
-from chatrl.envs.calculator import MAX_DEPTH, CalcError, CalculatorEnv, call, evaluate, find_call, format_number
+from chatrl.envs.calculator import (
+    MAX_DEPTH,
+    CalcError,
+    CalculatorEnv,
+    call,
+    evaluate,
+    find_call,
+    format_number,
+)
 from chatrl.envs.guess import GuessNumberEnv
 from chatrl.envs.rollout import run_episodes
 from chatrl.errors import UsageError
 from chatrl.models import load_tokenizer, stop_token_ids
 from tests.conftest import STORIES, TOKENIZERS
-
 
 # ----------------------------------------------------------------------------- the calculator
 
