@@ -15,7 +15,8 @@ episode::
 
 ``row`` is ``{"messages": the data row's prompt turns, "metadata": its reward metadata (the
 ``reference`` answer, ...), "seed": an integer for the episode's own randomness}`` (the same seed
-for the same step, rank and row, so a resumed run replays it). ``reward`` is the step's reward (a
+for the same step, rank and row, so a resumed run replays it). In a chat (``chat.py --env``)
+``metadata`` is ``{"chat": True}``: there is no reference, nothing is trained. ``reward`` is the step's reward (a
 finite number); the episode's reward is their sum (``docs/multi_turn.md``, "Rewards").
 ``new_messages`` are user, tool or system turns: the observation.
 """

@@ -181,7 +181,8 @@ class CalculatorEnv:
         correct_reward, wrong_reward: the final answer's reward (its last number equals the
             ``reference`` of the row's metadata, :func:`chatrl.rewards.builtin.extract_final_number`).
 
-    ``reset`` raises ValueError for a row without a ``reference`` holding a number.
+    ``reset`` raises ValueError for a row without a ``reference`` holding a number, unless the row
+    is a chat's (``metadata["chat"]``: the tool answers, no answer is rewarded).
     """
 
     def __init__(self, max_calls: int = 4, system_prompt: bool = False, correct_reward: float = 1.0,
@@ -193,9 +194,10 @@ class CalculatorEnv:
 
     def reset(self, row: dict) -> list[dict]:
         """The row's prompt turns (after the instructions, with ``system_prompt``)."""
-        ref = (row.get("metadata") or {}).get("reference")
+        meta = row.get("metadata") or {}
+        ref = meta.get("reference")
         self.reference = extract_final_number(str(ref)) if ref is not None else None
-        if self.reference is None:
+        if self.reference is None and not meta.get("chat"):
             raise ValueError(f"calculator: the row has no reference number in its metadata ({row.get('metadata')!r})")
         self.calls = 0
         messages = [dict(m) for m in row["messages"]]
