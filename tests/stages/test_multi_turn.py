@@ -194,7 +194,7 @@ def test_every_turn_sft_on_sharegpt_and_oasst_stops_at_the_end_of_turn_in_chat(t
     print(f"STOPS {sum(r[1] for r in results)}/{len(results)} trained turns end with the end-of-turn token "
           f"({sum(r[0] for r in results)} regenerated exactly); {multi_turn} multi-turn conversations")
     assert multi_turn >= 3 and len(results) >= 6
-    assert sum(r[1] for r in results) >= 0.7 * len(results)  # measured: 7 of 9
+    assert sum(r[1] for r in results) >= 0.7 * len(results)  # measured: 9 of 9 (5 regenerated exactly)
     # chat.py on the shortest Open-Assistant conversation: its first answer, stopped at the turn's end
     first = min((s for s in read_source(str(tmp_path / "oasst.jsonl")).samples
                  if any(m["role"] == "assistant" for m in s.messages)),
