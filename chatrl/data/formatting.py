@@ -107,12 +107,13 @@ def _content_spans(text: str, contents: Sequence[str]) -> list[tuple[int, int]] 
     return spans
 
 
-def _encode_rendered(tokenizer, text: str, contents: Sequence[str], specials: Sequence[str]
-                     ) -> tuple[list[int], list[tuple[int, int]] | None]:
-    """Ids (and character offsets, when the tokenizer gives them) of a chat-template rendering.
+def encode_rendered(tokenizer, text: str, contents: Sequence[str], specials: Sequence[str]
+                    ) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Ids ``(T,)`` (and character offsets, when the tokenizer gives them) of a chat-template rendering.
 
-    The template's scaffold keeps its special tokens; data ``contents`` that spell a special token
-    are tokenized as plain text (the text is cut at the content spans and the pieces encoded apart).
+    The template's scaffold keeps its special tokens (``specials``: their texts); data ``contents``
+    that spell a special token are tokenized as plain text (the text is cut at the content spans
+    and the pieces encoded apart, rule 2 of ``docs/tokenization.md``).
     """
     if not _texts_contain(contents, specials):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
@@ -143,7 +144,7 @@ def encode_prompts(tokenizer, conversations: Sequence[Sequence[dict]]) -> list[l
     texts = [format_prompt(tokenizer, msgs) for msgs in conversations]
     if uses_chat_template(tokenizer):
         specials = special_token_texts(tokenizer)
-        return [_encode_rendered(tokenizer, t, [m["content"] for m in msgs], specials)[0]
+        return [encode_rendered(tokenizer, t, [m["content"] for m in msgs], specials)[0]
                 for t, msgs in zip(texts, conversations, strict=True)]
     # The plain convention's text is all data: no special token may come from it; the tokenizer
     # adds its own (e.g. Llama's BOS).
@@ -221,10 +222,10 @@ def encode_examples(tokenizer, conversations: Sequence[Sequence[dict]], answers:
             end = full_text.find(eot_text, at + len(answer))
             full_text = full_text[:end + len(eot_text)] if end >= 0 else full_text[:at + len(answer)]
             contents = [m["content"] for m in msgs] + [answer]
-            full, offsets = _encode_rendered(tokenizer, full_text, contents, specials)
+            full, offsets = encode_rendered(tokenizer, full_text, contents, specials)
             n = _prompt_part(full, offsets, prompt, len(head))
             if n < 0:
-                full, n = prompt + _encode_rendered(tokenizer, full_text[len(head):], [answer], specials)[0], len(prompt)
+                full, n = prompt + encode_rendered(tokenizer, full_text[len(head):], [answer], specials)[0], len(prompt)
             body = _strip_end(full[n:], ends)
             out.append((full[:n], body + [eot]))
         return out

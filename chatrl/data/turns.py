@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chatrl.data.formatting import (
-    _encode_rendered,
     check_messages,
     encode_example,
     encode_prompt,
+    encode_rendered,
     format_answer,
     plain_turn,
     uses_chat_template,
@@ -159,7 +159,7 @@ def observation_ids(tokenizer, history: Sequence[dict], new_messages: Sequence[d
     if delta is None:
         raise ValueError("the chat template re-renders earlier turns when new ones follow, even after a plain "
                          "[user, assistant] history: observation ids cannot be appended")
-    return _encode_rendered(tokenizer, delta, [m["content"] for m in new_messages], special_token_texts(tokenizer))[0]
+    return encode_rendered(tokenizer, delta, [m["content"] for m in new_messages], special_token_texts(tokenizer))[0]
 
 
 def encode_conversation(tokenizer, messages: Sequence[dict], *, generation_prompt: bool = False) -> ConversationIds:
@@ -247,7 +247,7 @@ def encode_rendered_conversation(tokenizer, messages: Sequence[dict], *, generat
         text = render_conversation(tokenizer, messages, generation_prompt=generation_prompt)
         contents = [format_answer(tokenizer, m["content"]) if m["role"] == "assistant" else m["content"]
                     for m in messages]
-        return _encode_rendered(tokenizer, text, contents, special_token_texts(tokenizer))[0]
+        return encode_rendered(tokenizer, text, contents, special_token_texts(tokenizer))[0]
     check_messages(messages, prompt=False)
     ids = special_prefix_ids(tokenizer)
     pieces = _plain_pieces(tokenizer, messages, generation_prompt)
