@@ -111,3 +111,29 @@ def test_cli_exit_codes_and_conversation_files(tmp_path, capsys):
     convs.write_text(json.dumps([{"role": "user", "content": "a"}]) + "\n")
     assert check_template.main([qwen, "--conversations", str(convs)]) == 2
     assert "conversation 0 has no assistant turn" in capsys.readouterr().err
+
+
+def test_startup_check_stops_with_the_table_or_logs_the_skip(caplog, tmp_path):
+    import logging
+
+    from chatrl.data.template_check import check_startup, startup_conversations
+    from chatrl.errors import UsageError
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                                             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao."}]})
+                    + "\n" + json.dumps({"prompt": "Name a colour.", "chosen": "Blue."}) + "\n")
+    convs = startup_conversations([str(rows)])
+    assert list(convs) == ["row 0"] and len(convs["row 0"]) == 4  # a conversation sample whole
+    log = logging.getLogger("test")
+    broken = fixture_tokenizer("broken_drops_think")
+    convs["think"] = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "<think>x</think> A."},
+                      {"role": "user", "content": "!"}, {"role": "assistant", "content": "B."}]
+    with pytest.raises(UsageError, match="would mis-train these conversations") as err:
+        check_startup(broken, convs, "step 1", skip=False, log=log)
+    assert "| think | pass | FAIL |" in str(err.value) and "--skip_template_check" in str(err.value)
+    with caplog.at_level(logging.INFO, logger="test"):
+        check_startup(broken, convs, "step 1", skip=True, log=log)
+        check_startup(load_tokenizer(str(SHARED / "tokenizers" / "qwen2")), convs, "step 3", skip=False, log=log)
+    assert "the chat-template check is skipped (--skip_template_check)" in caplog.text
+    assert "step 3: chat-template check passed on 2 conversations" in caplog.text
