@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.env:
         try:
             session = ToolSession(tokenizer, load_environment(args.env, args.env_args), args.max_turns or 4,
-                                  stop_token_ids(tokenizer))
+                                  stop_token_ids(tokenizer, model))
         except ValueError as e:
             build_parser().error(str(e))
         return tool_chat(session, model, tokenizer, args, sampling, budget, interactive)
@@ -170,14 +170,14 @@ def main(argv: list[str] | None = None) -> None:
 def tool_chat(session: ToolSession, model, tokenizer, args, sampling: dict, budget: int, interactive: bool) -> None:
     """The terminal loop of a chat with an environment's tools (module docstring)."""
     import torch
-    from transformers import TextStreamer
 
     print(f"chatrl chat with --env {args.env}: observations are shown as [role] text. Type 'clear' to reset, "
           "'quit' to leave.", flush=True)
     while True:
         try:
             text = input("\nHuman: " if interactive else "")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave without a traceback
+            print()
             break
         if not interactive:
             print(f"\nHuman: {text}")
@@ -195,13 +195,18 @@ def tool_chat(session: ToolSession, model, tokenizer, args, sampling: dict, budg
                 print("\n(the conversation no longer fits the context window; type 'clear')")
                 break
             input_ids = torch.tensor([ids], device=model.device)
-            print("Assistant:", end="", flush=True)
-            with torch.no_grad():
-                out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                     max_new_tokens=args.max_new_tokens, **sampling,
-                                     repetition_penalty=args.repetition_penalty,
-                                     eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                     streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+            print("Assistant: ", end="", flush=True)
+            try:
+                with torch.no_grad():
+                    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                         max_new_tokens=args.max_new_tokens, **sampling,
+                                         repetition_penalty=args.repetition_penalty,
+                                         eos_token_id=sorted(session.stops, key=lambda i: i != session.eot),
+                                         pad_token_id=tokenizer.pad_token_id, streamer=answer_streamer(tokenizer))
+            except KeyboardInterrupt:  # Ctrl-C during an answer: its ids are half there, start over
+                print("\n(answer stopped; conversation cleared)")
+                session.clear()
+                break
             observation = session.answer(out[0, input_ids.shape[1]:].tolist())
             if observation is None:
                 break

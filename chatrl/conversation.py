@@ -77,12 +77,13 @@ class ToolSession:
 
     Args:
         tokenizer: the model's. make_env: :func:`chatrl.envs.load_environment`'s factory.
-        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.stop_token_ids`.
+        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.stop_token_ids`, the
+            end-of-turn token first (only an answer ending with it is followed by an observation).
     """
 
     def __init__(self, tokenizer, make_env: EnvFactory, max_turns: int, stop_ids: Sequence[int]):
         self.tokenizer, self.make_env, self.max_turns = tokenizer, make_env, max_turns
-        self.stops = set(int(i) for i in stop_ids)
+        self.stops, self.eot = set(int(i) for i in stop_ids), int(stop_ids[0])
         self.clear()
 
     def clear(self) -> None:
@@ -125,7 +126,7 @@ class ToolSession:
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
         new, _, done, _ = check_step(self.env.step([dict(m) for m in self.messages], text), "step")
-        if done or new is None or cut is None or self.turns >= self.max_turns:
+        if done or new is None or cut is None or sampled[-1] != self.eot or self.turns >= self.max_turns:
             return None
         self.ids.append(observation_ids(self.tokenizer, self.messages, new), trained=False)
         self.messages += new

@@ -10,9 +10,10 @@ assistant text given to the environment is decoded from the sampled ids and neve
 again. The trained mask is 1 on sampled ids only.
 
 An episode ends when the environment says ``done`` (or returns no observation), when a turn does
-not end with a stop token (``--max_answer_seq_len`` reached), after ``--max_turns`` turns, or when
-the next observation and one more token would exceed ``--max_total_tokens`` (the episode's prompt,
-turns and observations).
+not end with the end-of-turn token (``--max_answer_seq_len`` reached, or another stop token such as
+ChatML's ``<|endoftext|>``: the model ended the conversation, and an observation after it would
+break the layout), after ``--max_turns`` turns, or when the next observation and one more token
+would exceed ``--max_total_tokens`` (the episode's prompt, turns and observations).
 
 Generation is collective on some layouts (tensor-parallel groups, ZeRO-3 without the hybrid
 engine), so every rank generates while any rank has an unfinished episode (a rank with none feeds
@@ -108,15 +109,16 @@ def _left_padded(rows: Sequence[list[int]], pad: int, device) -> tuple[torch.Ten
     return ids.to(device), mask.to(device)
 
 
-def _take_turn(e: Episode, tokens: list[int], logps: list[float], stops: set[int], max_total_tokens: int,
+def _take_turn(e: Episode, tokens: list[int], logps: list[float], stops: set[int], eot: int, max_total_tokens: int,
                last_turn: bool, tokenizer, where: str) -> None:
     """Append one sampled turn to ``e``, ask the environment, and append its observation (or end ``e``)."""
     cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
     ended = cut is not None
+    goes_on = ended and tokens[cut - 1] == eot
     tokens, logps = tokens[:cut], logps[:cut]
     room = max_total_tokens - len(e.ids.ids)
     if len(tokens) > room:
-        tokens, logps, ended = tokens[:room], logps[:room], False
+        tokens, logps, ended, goes_on = tokens[:room], logps[:room], False, False
     e.ids.append(tokens, trained=True)
     e.logp += logps
     e.ended = ended
@@ -125,7 +127,7 @@ def _take_turn(e: Episode, tokens: list[int], logps: list[float], stops: set[int
     new, reward, done, info = check_step(e.env.step([dict(m) for m in e.messages], text), f"{where}: step")
     e.rewards.append(reward)
     e.infos.append(info)
-    if done or new is None or not ended or last_turn:
+    if done or new is None or not goes_on or last_turn:
         e.done = True
         return
     obs = observation_ids(tokenizer, e.messages, new)
@@ -154,7 +156,8 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
         rows: ``{"messages", "metadata", "seed"}`` per episode (:mod:`chatrl.envs.base`).
         max_turns: assistant turns per episode (>= 1). max_prompt_len: the opening turns' ids are
             cut from the left to this. max_total_tokens: bound on an episode's ids.
-        stop_ids: ids that end a turn (:func:`chatrl.models.stop_token_ids`).
+        stop_ids: ids that end a turn (:func:`chatrl.models.stop_token_ids`), the end-of-turn token
+            first: only a turn that ends with it is followed by an observation.
         all_reduce_sum: sums a tensor over ranks (``None``: one rank). rank, step: for messages.
 
     Raises:
@@ -162,7 +165,7 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
             (on every rank; the failing one chains its error).
     """
     where = f"--env {getattr(make_env, 'spec', 'environment')} (rank {rank}, step {step})"
-    stops, pad = set(int(i) for i in stop_ids), tokenizer.pad_token_id
+    stops, eot, pad = set(int(i) for i in stop_ids), int(stop_ids[0]), tokenizer.pad_token_id
     episodes: list[Episode] = []
     error: BaseException | None = None
     try:
@@ -185,8 +188,8 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
         new, logp = seq[:, ids.shape[1]:].tolist(), logp.float().tolist()
         try:
             for e, tokens, lp in zip(active, new, logp, strict=False):
-                _take_turn(e, tokens, lp[:len(tokens)], stops, max_total_tokens, turn == max_turns - 1, tokenizer,
-                           where)
+                _take_turn(e, tokens, lp[:len(tokens)], stops, eot, max_total_tokens, turn == max_turns - 1,
+                           tokenizer, where)
         except Exception as exc:  # noqa: BLE001 - as above
             error = exc
         turn += 1

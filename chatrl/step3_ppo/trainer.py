@@ -46,6 +46,7 @@ from chatrl.envs.rollout import episode_seed, run_episodes
 from chatrl.logprobs import logprobs_and_entropy, logprobs_from_logits
 from chatrl.models import causal_lm_logits, stop_token_ids
 from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
+from chatrl.rewards.base import decode_exactly
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
 from chatrl.rl.loss import logp_diff, loss_scale, policy_loss, step_normalizers, truncated_is_weights
@@ -270,7 +271,8 @@ class Trainer:
         """``N`` multi-turn episodes of each prompt row (``docs/multi_turn.md``): generated turn by
         turn inside one inference session of the hybrid engine (:func:`chatrl.envs.rollout.run_episodes`),
         token-in/token-out, then scored: the environment's summed rewards and every other source
-        (the reward model reads the whole episode, functions the last assistant turn), minus
+        (the reward model and ``formatted_texts`` read the whole episode, functions the last
+        assistant turn), minus
         ``--penalty_no_eos`` when the last turn did not end. A collective: every rank calls it.
 
         Raises:
@@ -294,7 +296,9 @@ class Trainer:
         prompts = [self.tokenizer.decode(ep.sequences[i, :P][ep.attention_mask[i, :P] > 0], skip_special_tokens=True)
                    for i in range(len(rows))]
         env_total = ep.final_rewards + ep.turn_rewards.sum(dim=1)
+        token_ids = [ep.sequences[i][ep.attention_mask[i] > 0].tolist() for i in range(len(rows))]
         batch = RewardBatch(prompts, ep.answers, rmeta, step, ep.sequences, ep.attention_mask, P,
+                            [decode_exactly(self.tokenizer, ids) for ids in token_ids], token_ids,
                             episode_rewards=env_total.tolist())
         scores, parts = self._score(batch, step, device)
         if self.s.penalty_no_eos:

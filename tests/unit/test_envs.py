@@ -241,6 +241,13 @@ def test_episodes_end_on_budget_turns_and_unfinished_turns():
     ep = run_episodes(ScriptedSampler([call_ids], tok.pad_token_id, len(call_ids)), tok, env, [row], max_turns=3,
                       max_prompt_len=64, max_total_tokens=512, stop_ids=[eot], device="cpu")
     assert ep.turns.tolist() == [1] and ep.ended.tolist() == [False]
+    # a turn ending with another stop token (ChatML's EOS <|endoftext|>, not <|im_end|>) ends the episode:
+    # the model closed the conversation, and no observation follows it
+    eos = tok.eos_token_id
+    assert eos != eot and eos in stop_token_ids(tok)
+    ep = run_episodes(ScriptedSampler([call_ids + [eos]], tok.pad_token_id, 20), tok, env, [row], max_turns=3,
+                      max_prompt_len=64, max_total_tokens=512, stop_ids=stop_token_ids(tok), device="cpu")
+    assert ep.turns.tolist() == [1] and ep.ended.tolist() == [True] and ep.sequences[0, -1].item() == eos
     # --max_total_tokens: the turn is cut at the budget
     prompt_len = len(encode_conversation(tok, row["messages"], generation_prompt=True).ids)
     ep = run_episodes(ScriptedSampler([call_ids + [eot]], tok.pad_token_id, 20), tok, env, [row], max_turns=3,
