@@ -9,6 +9,12 @@ new conversation and ``quit`` (or Ctrl-D) to leave. Input may be piped: one user
 
 ``python chat.py --web --path <actor> [--compare <other actor>]`` serves the same chat as a web page
 on http://127.0.0.1:7860 (:mod:`chatrl.web_chat`), side by side with a second model if given.
+
+``python chat.py --path <actor> --env calculator`` chats with an environment's tools, as step 3's
+``--env`` trains with them (``docs/multi_turn.md``): each answer goes to the environment, and while
+it answers with an observation (shown as ``[tool] …``) the model answers again, up to
+``--max_turns`` answers per user turn. The conversation's ids are then kept as sampled and
+appended to, never re-tokenized (:class:`chatrl.conversation.ToolSession`).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from dataclasses import dataclass
 from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
-from chatrl.conversation import HUMAN_MARKER, prompt_ids_within
+from chatrl.conversation import HUMAN_MARKER, ToolSession, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
+from chatrl.envs import load_environment
 from chatrl.models import (
         check_context_window,
         context_window,
@@ -62,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_block(p, ChatConfig)
     config.add_block(p, config.SamplingConfig, defaults={"temperature": 0.7, "top_p": 0.9})
     config.add_block(p, config.ModelConfig, only=("trust_remote_code",))
+    config.add_block(p, config.EnvConfig, only=("env", "env_args", "max_turns"), title="tools of an environment")
     config.add_block(p, WebChatConfig, title='web chat (pip install -e ".[web]")')
     return p
 
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.web:
-
+        if args.env:
+            build_parser().error("--env works in the terminal chat, not with --web")
         return serve(args)
     import torch
     import transformers
@@ -113,6 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(args.seed)
     stop = None if uses_chat_template(tokenizer) else [HUMAN_MARKER]
     interactive = sys.stdin.isatty()
+    if args.env:
+        try:
+            session = ToolSession(tokenizer, load_environment(args.env, args.env_args), args.max_turns or 4,
+                                  stop_token_ids(tokenizer, model))
+        except ValueError as e:
+            build_parser().error(str(e))
+        return tool_chat(session, model, tokenizer, args, sampling, budget, interactive)
     history: list[dict] = []
     print(f"chatrl chat: {args.path} (context {window} tokens). Type 'clear' to reset, 'quit' to leave.", flush=True)
     while True:
@@ -149,6 +165,54 @@ def main(argv: list[str] | None = None) -> None:
         answer = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         answer = answer.split(HUMAN_MARKER)[0].strip() if stop else answer.strip()
         history.append({"role": "assistant", "content": answer})
+
+
+def tool_chat(session: ToolSession, model, tokenizer, args, sampling: dict, budget: int, interactive: bool) -> None:
+    """The terminal loop of a chat with an environment's tools (module docstring)."""
+    import torch
+
+    print(f"chatrl chat with --env {args.env}: observations are shown as [role] text. Type 'clear' to reset, "
+          "'quit' to leave.", flush=True)
+    while True:
+        try:
+            text = input("\nHuman: " if interactive else "")
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave without a traceback
+            print()
+            break
+        if not interactive:
+            print(f"\nHuman: {text}")
+        if text.strip() == "quit":
+            break
+        if text.strip() == "clear":
+            session.clear()
+            print("(conversation cleared)")
+            continue
+        if not text.strip():
+            continue
+        ids = session.user(text)
+        while True:
+            if len(ids) > budget:
+                print("\n(the conversation no longer fits the context window; type 'clear')")
+                break
+            input_ids = torch.tensor([ids], device=model.device)
+            print("Assistant: ", end="", flush=True)
+            try:
+                with torch.no_grad():
+                    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                         max_new_tokens=args.max_new_tokens, **sampling,
+                                         repetition_penalty=args.repetition_penalty,
+                                         eos_token_id=sorted(session.stops, key=lambda i: i != session.eot),
+                                         pad_token_id=tokenizer.pad_token_id, streamer=answer_streamer(tokenizer))
+            except KeyboardInterrupt:  # Ctrl-C during an answer: its ids are half there, start over
+                print("\n(answer stopped; conversation cleared)")
+                session.clear()
+                break
+            observation = session.answer(out[0, input_ids.shape[1]:].tolist())
+            if observation is None:
+                break
+            for m in observation:
+                print(f"[{m['role']}] {m['content']}", flush=True)
+            ids = list(session.ids.ids)
 
 
 if __name__ == "__main__":

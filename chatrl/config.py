@@ -53,7 +53,8 @@ PATH_KINDS = ("file", "model", "data", "reward_fn")
 """What a flag's value names on the local disk (:func:`chatrl.cli.resolve_path` makes it absolute
 against the caller's folder): ``file`` always a local path; ``model`` a local folder or a hub name;
 ``data`` data entries (local files or folders, optionally with a row slice, or hub names);
-``reward_fn`` reward specs (``[W*]file.py:fn`` names a file, ``module:fn`` and built-ins do not)."""
+``reward_fn`` reward and environment specs (``[W*]file.py:fn`` names a file, ``module:fn`` and built-ins
+do not)."""
 
 
 def setting(default: Any, help: str, *, unit: str | None = None, choices: tuple | Callable[[], tuple] | None = None,
@@ -125,6 +126,14 @@ class DataConfig:
     max_seq_len: int = setting(512, "max tokens of prompt + answer", unit="tokens")
     unsupervised_dataset_name: list | None = setting(None, "step 3: text for the PTX loss (step-1 style data); "
                                                            "unset: no PTX loss", nargs="*", type=str, path="data")
+
+
+@dataclass
+class TemplateCheckConfig:
+    """The chat-template check at start-up (steps 1 and 3, docs/multi_turn.md)."""
+
+    skip_template_check: bool = setting(False, "do not stop when the chat-template check on a few data rows fails at "
+                                               "start-up (python -m chatrl.check_template); the skip is logged")
 
 
 @dataclass
@@ -218,6 +227,21 @@ class RolloutConfig:
     print_answers_interval: int | None = setting(None, "steps between the rollouts recorded in logs/samples.jsonl "
                                                        "(and printed with --print_answers); unset: 10, or a quarter "
                                                        "of a shorter run", unit="steps", type=int)
+
+
+@dataclass
+class EnvConfig:
+    """Step 3's multi-turn episodes with an environment (docs/multi_turn.md)."""
+
+    env: str | None = setting(None, "environment of multi-turn episodes: a built-in (calculator, guess_number), "
+                                    "module:Class or file.py:Class, one instance per episode (unset: one answer "
+                                    "per prompt)", type=str, path="reward_fn")
+    env_args: str = setting("{}", "keyword arguments of the environment's class, a JSON object")
+    max_turns: int | None = setting(None, "assistant turns per episode with --env (unset: 4)", unit="turns", type=int)
+    max_total_tokens: int | None = setting(
+        None, "bound on an episode's tokens (prompt, assistant turns, observations) with --env (unset: "
+              "--max_prompt_seq_len + (2 --max_turns - 1) --max_answer_seq_len: an observation as long as a turn)",
+        unit="tokens", type=int)
 
 
 @dataclass

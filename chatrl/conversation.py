@@ -1,10 +1,15 @@
 """A chat conversation on a trained actor, shared by the terminal chat (``chat.py``) and the web chat
 (:mod:`chatrl.web_chat`): the history trimmed to the context window, and the answer cut at the
-next ``Human:`` turn for models without a chat template."""
+next ``Human:`` turn for models without a chat template; and a chat with an environment's tools
+(:class:`ToolSession`, ``chat.py --env``), token-in/token-out as step 3's episodes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from chatrl.data import encode_prompt
+from chatrl.data.turns import ConversationIds, encode_conversation, observation_ids
+from chatrl.envs import EnvFactory, check_messages_out, check_step
 
 HUMAN_MARKER = "\n\nHuman:"
 
@@ -57,3 +62,72 @@ class StopAtMarker:
         """The held-back text at the end of the answer (it was not the marker after all)."""
         out, self.held = self.held, ""
         return out
+
+
+class ToolSession:
+    """A chat whose assistant turns go to an environment (``chat.py --env calculator``), laid out as
+    step 3 lays out an episode (:mod:`chatrl.envs.rollout`): the model's sampled ids are kept as
+    they are, and the user's turns and the environment's observations are appended as ids, never
+    re-tokenized; so the model sees in chat what it was trained on.
+
+    Each user turn starts a fresh environment (``reset`` gets the conversation so far with
+    ``metadata={"chat": True}``: no reference answer), whose opening turns are used for the first
+    user turn only; the model then answers, and while the environment returns an observation (a
+    tool's result) and fewer than ``max_turns`` answers were given to this user turn, it answers again.
+
+    Args:
+        tokenizer: the model's. make_env: :func:`chatrl.envs.load_environment`'s factory.
+        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.stop_token_ids`, the
+            end-of-turn token first (only an answer ending with it is followed by an observation).
+    """
+
+    def __init__(self, tokenizer, make_env: EnvFactory, max_turns: int, stop_ids: Sequence[int]):
+        self.tokenizer, self.make_env, self.max_turns = tokenizer, make_env, max_turns
+        self.stops, self.eot = set(int(i) for i in stop_ids), int(stop_ids[0])
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the conversation."""
+        self.messages: list[dict] = []
+        self.ids = ConversationIds()
+        self.env, self.turns = None, 0
+
+    def user(self, text: str) -> list[int]:
+        """Add a user turn; returns the ids to generate the next answer from.
+
+        Raises:
+            chatrl.envs.EnvError: the environment's ``reset`` returned something wrong.
+        """
+        turn = {"role": "user", "content": text}
+        self.env, self.turns = self.make_env(), 0
+        row = {"messages": [*self.messages, turn], "metadata": {"chat": True}, "seed": len(self.messages)}
+        opening = check_messages_out(self.env.reset(row), "reset", observation=False)
+        if not self.messages:
+            self.messages = opening
+            self.ids.append(encode_conversation(self.tokenizer, opening, generation_prompt=True).ids, trained=False)
+        else:
+            self.ids.append(observation_ids(self.tokenizer, self.messages, [turn]), trained=False)
+            self.messages.append(turn)
+        return list(self.ids.ids)
+
+    def answer(self, sampled: Sequence[int]) -> list[dict] | None:
+        """Add the model's answer (its sampled ids, cut after the first stop token); returns the
+        environment's observation turns when the model answers again (the ids to generate from are
+        then :attr:`ids`), else None (the next turn is the user's).
+
+        Raises:
+            chatrl.envs.EnvError: the environment's ``step`` returned something wrong.
+        """
+        sampled = list(sampled)
+        cut = next((i + 1 for i, t in enumerate(sampled) if t in self.stops), None)
+        sampled = sampled[:cut]
+        self.ids.append(sampled, trained=True)
+        text = self.tokenizer.decode(sampled, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+        self.turns += 1
+        new, _, done, _ = check_step(self.env.step([dict(m) for m in self.messages], text), "step")
+        if done or new is None or cut is None or sampled[-1] != self.eot or self.turns >= self.max_turns:
+            return None
+        self.ids.append(observation_ids(self.tokenizer, self.messages, new), trained=False)
+        self.messages += new
+        return new

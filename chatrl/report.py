@@ -293,12 +293,22 @@ def _tail(text: str, n: int) -> str:
     return text if len(text) <= n else "…" + text[-n:]
 
 
+def _answer_html(sample: dict) -> str:
+    """A rollout's answer; a multi-turn episode's turns one after the other, each environment
+    observation marked (``class="obs"``, labelled with its role)."""
+    turns = sample.get("turns")
+    if not turns:
+        return f"<pre>{_esc(sample.get('answer', ''))}</pre>"
+    return "".join(f"<pre class=\"obs\">[{_esc(t.get('role', 'tool'))}] {_esc(t.get('content', ''))}</pre>"
+                   if t.get("observation") else f"<pre>{_esc(t.get('content', ''))}</pre>" for t in turns)
+
+
 def _samples_html(samples: list[dict]) -> str:
     if not samples:
         return ""
     body = "".join(
         f"<tr><td>{s.get('step')}</td><td>{s.get('score', float('nan')):+.3f}</td><td>{s.get('kl', float('nan')):.3f}</td>"
-        f"<td><pre>{_esc(_tail(s.get('prompt', ''), 600))}</pre></td><td><pre>{_esc(s.get('answer', ''))}</pre></td></tr>"
+        f"<td><pre>{_esc(_tail(s.get('prompt', ''), 600))}</pre></td><td>{_answer_html(s)}</td></tr>"
         for s in samples)
     return (f"<h3>Rollouts over time ({len(samples)})</h3><table class=\"samples\"><tr><th>step</th><th>score</th>"
             f"<th>KL (nats)</th><th>prompt (end)</th><th>answer</th></tr>{body}</table>")
@@ -442,7 +452,7 @@ table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border:1px sol
 table.alerts{border:2px solid #c0392b} table.alerts th{background:#fbeaea}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(440px,1fr));gap:8px}
 .chart{border:1px solid #eee;border-radius:4px}
-pre{white-space:pre-wrap;margin:0;font-size:12px;max-width:640px} pre.cmd{max-width:none;background:#f6f6f6;padding:6px}
+pre{white-space:pre-wrap;margin:0;font-size:12px;max-width:640px} pre.obs{background:#eef4ff;color:#234} pre.cmd{max-width:none;background:#f6f6f6;padding:6px}
 .gain{color:#1e7e34} .loss{color:#c0392b} .noise{color:#8a6d00}
 """
 

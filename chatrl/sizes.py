@@ -2,7 +2,7 @@
 
 Batch sizes (:class:`BatchSizes`: per device, gradient accumulation, ranks, global batch), the
 length of a step-1/2 run in optimizer steps (:func:`plan_steps` → :class:`StepPlan`) and every
-size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`). A training loop reads its plan and
+size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`; multi-turn episodes: :func:`plan_episodes`). A training loop reads its plan and
 never re-derives a count; a size that does not fit raises ``ValueError`` here, naming the flags
 and a fix, before any model is loaded. Pure arithmetic: no DeepSpeed, no model.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from chatrl.errors import UsageError
 from chatrl.rl.algorithms import Algorithm
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES
 
@@ -267,3 +268,36 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
               "generation_batches": generation_batches, "per_device_training_batch_size": per_device_training_batch_size}
     return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer, critic_steps,
                    actor_steps, warmup, layout, horizon, interval, tuple(notes))
+
+
+#: ``--max_turns`` when ``--env`` is given without it.
+DEFAULT_MAX_TURNS = 4
+
+
+@dataclass(frozen=True)
+class EpisodePlan:
+    """The sizes of step 3's multi-turn episodes (``--env``): assistant turns per episode, the bound
+    on an episode's tokens, and the widest answer region (turns and observations after the prompt)."""
+
+    max_turns: int
+    max_total_tokens: int
+    max_region_tokens: int
+
+
+def plan_episodes(max_prompt_seq_len: int, max_answer_seq_len: int, max_turns: int | None,
+                  max_total_tokens: int | None) -> EpisodePlan:
+    """``--max_turns`` (default :data:`DEFAULT_MAX_TURNS`) and ``--max_total_tokens`` (default
+    ``max_prompt + (2 max_turns - 1) max_answer``: every observation given as much room as a turn).
+
+    Raises:
+        UsageError: ``--max_turns`` < 1, or ``--max_total_tokens`` that leaves no room for one
+            answer token after a full-length prompt.
+    """
+    turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
+    if turns < 1:
+        raise UsageError(f"--max_turns must be >= 1, got {turns}")
+    total = max_prompt_seq_len + (2 * turns - 1) * max_answer_seq_len if max_total_tokens is None else max_total_tokens
+    if total <= max_prompt_seq_len:
+        raise UsageError(f"--max_total_tokens {total} leaves no room for an answer after --max_prompt_seq_len "
+                         f"{max_prompt_seq_len}")
+    return EpisodePlan(turns, total, total - 1)

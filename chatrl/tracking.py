@@ -173,12 +173,18 @@ class Tracker:
         for alert in fired:
             self.write(format_alert(alert, self._desc))
 
-    def sample(self, step: int, prompt: str, answer: str, score: float, kl: float, show: bool = True) -> None:
+    def sample(self, step: int, prompt: str, answer: str, score: float, kl: float, show: bool = True,
+               turns: list[dict] | None = None) -> None:
         """Record one rollout of optimizer step ``step`` in ``logs/samples.jsonl`` (for the run report):
-        its prompt and answer text, reward-model ``score`` and summed ``kl`` (nats); ``show`` prints it."""
+        its prompt and answer text, reward-model ``score`` and summed ``kl`` (nats); ``show`` prints it.
+        A multi-turn episode also records its ``turns`` (``{"role", "content", "observation"}``), the
+        environment's observations marked, and prints them as such (``[tool] …``)."""
         if not self.enabled:
             return
         row = {"step": step, "prompt": prompt, "answer": answer, "score": float(score), "kl": float(kl)}
+        if turns is not None:
+            row["turns"] = turns
+            answer = "".join(f"\n  [{t['role']}] {t['content']}\n" if t["observation"] else t["content"] for t in turns)
         with open(self.path.parent.parent / SAMPLES_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row, allow_nan=True) + "\n")
         if show:

@@ -1,10 +1,13 @@
 """Held-out exact-match accuracy of a causal LM on prompt rows with a reference answer
-(``scripts/make_arith_task.py``'s ``eval.jsonl``): greedy answers, scored by the built-in
-``exact_match`` reward. Prints one JSON line ``{"accuracy", "n", "model"}``.
+(``scripts/make_arith_task.py``'s or ``scripts/make_tool_task.py``'s ``eval.jsonl``): greedy answers,
+scored by the built-in ``exact_match`` reward. With ``--env`` (``calculator``), greedy multi-turn
+episodes of that environment (the model may call its tool), scored by the environment's final
+reward. Prints one JSON line ``{"accuracy", "n", "model", "env"}``.
 
 Usage::
 
     python scripts/eval_exact_match.py --model OUTPUT/step3_rlhf/actor --data data/arith/eval.jsonl
+    python scripts/eval_exact_match.py --model OUTPUT/step3_rlhf/actor --data data/calc/eval.jsonl --env calculator
 """
 
 from __future__ import annotations
@@ -42,17 +45,53 @@ def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_si
     return hits / max(len(rows), 1)
 
 
+def evaluate_episodes(model_dir: str, rows: list[dict], env: str = "calculator", max_turns: int = 3,
+                      max_new_tokens: int = 16, batch_size: int = 64) -> float:
+    """Share of ``rows`` whose greedy episode with ``env`` the environment rewards (its summed
+    reward, 1 for a right final answer with the calculator); the episodes are played as step 3
+    plays them (:func:`chatrl.envs.rollout.run_episodes`, token-in/token-out), one process."""
+    from transformers import AutoModelForCausalLM
+
+    from chatrl.envs import load_environment
+    from chatrl.envs.rollout import run_episodes
+    from chatrl.models import load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    stops = stop_token_ids(tok)
+
+    def generate(ids, mask):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=stops, pad_token_id=tok.pad_token_id)
+        fill = out.new_full((out.shape[0], ids.shape[1] + max_new_tokens - out.shape[1]), tok.pad_token_id)
+        return torch.cat([out, fill], dim=1), torch.zeros(out.shape[0], max_new_tokens)
+
+    make_env, total = load_environment(env), 0.0
+    for i in range(0, len(rows), batch_size):
+        part = [{"messages": [{"role": "user", "content": r["prompt"]}], "metadata": {"reference": r["reference"]},
+                 "seed": i + j} for j, r in enumerate(rows[i:i + batch_size])]
+        ep = run_episodes(generate, tok, make_env, part, max_turns=max_turns, max_prompt_len=256,
+                          max_total_tokens=256 + (2 * max_turns - 1) * max_new_tokens, stop_ids=stops, device="cpu")
+        total += float((ep.final_rewards + ep.turn_rewards.sum(dim=1)).sum())
+    return total / max(len(rows), 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder of the model (e.g. step 3's actor/)")
     p.add_argument("--data", required=True, help="JSONL prompt rows with 'prompt' and 'reference'")
-    p.add_argument("--max_new_tokens", type=int, default=6, help="answer tokens")
+    p.add_argument("--max_new_tokens", type=int, default=6, help="answer tokens (per turn with --env)")
+    p.add_argument("--env", default=None, help="play greedy episodes of this environment (calculator) instead")
+    p.add_argument("--max_turns", type=int, default=3, help="assistant turns per episode with --env")
     a = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(a.data).read_text().splitlines() if x.strip()]
     bad = [i for i, r in enumerate(rows) if "prompt" not in r or "reference" not in r]
     if bad:
         sys.exit(f"{a.data}: rows {bad[:5]} lack 'prompt' or 'reference'")
-    print(json.dumps({"accuracy": evaluate(a.model, rows, a.max_new_tokens), "n": len(rows), "model": a.model}))
+    acc = (evaluate_episodes(a.model, rows, a.env, a.max_turns, a.max_new_tokens) if a.env else
+           evaluate(a.model, rows, a.max_new_tokens))
+    print(json.dumps({"accuracy": acc, "n": len(rows), "model": a.model, "env": a.env}))
 
 
 if __name__ == "__main__":

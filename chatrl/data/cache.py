@@ -28,7 +28,7 @@ from chatrl.weights import atomic_dir
 log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the building rules change.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 Columns = dict[str, list]
 
@@ -72,7 +72,8 @@ def _features(phase: int):
     import datasets
 
     ids = datasets.List(datasets.Value("int32"))
-    kinds = {"prompt_len": datasets.Value("int32"), "metadata": datasets.Value("string")}
+    kinds = {"prompt_len": datasets.Value("int32"), "metadata": datasets.Value("string"),
+             "messages": datasets.Value("string")}
     return datasets.Features({c: kinds.get(c, ids) for c in PHASE_COLUMNS[phase]})
 
 

@@ -59,8 +59,10 @@ class SFTCollator:
     """Phase-1 batches: ``input_ids (B, T)``, ``attention_mask (B, T)``, ``labels (B, T)``.
 
     ``labels`` equal ``input_ids`` (aligned: the model shifts them) with ``-100`` on pads and, when
-    ``mask_prompt``, on the first ``prompt_len`` tokens of each row; the answer's EOS is a label.
-    Items are ``{"input_ids": (T_i,), "prompt_len": int}``.
+    ``mask_prompt``, everywhere outside each row's trained spans: its ``trained_spans``
+    ``[start_0, end_0, ...]`` (the answer, or every assistant turn of a conversation; each
+    turn's end-of-turn token is a label), else the tokens after ``prompt_len``. Items are
+    ``{"input_ids": (T_i,), "prompt_len": int, "trained_spans"?: (2S,)}``.
     """
 
     packs = False
@@ -79,10 +81,21 @@ class SFTCollator:
         ids, mask, starts = pad_sequences([x["input_ids"] for x in batch], self.pad_token_id, self.padding_side)
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         if self.mask_prompt:
+            keep = torch.zeros_like(mask, dtype=torch.bool)
             for b, x in enumerate(batch):
                 s = int(starts[b])
-                labels[b, s:s + int(x["prompt_len"])] = IGNORE_INDEX
+                for a, e in trained_spans(x):
+                    keep[b, s + a:s + e] = True
+            labels = labels.masked_fill(~keep, IGNORE_INDEX)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def trained_spans(item: dict) -> list[tuple[int, int]]:
+    """The ``[start, end)`` token spans of a phase-1 item that carry labels: its ``trained_spans``
+    (every assistant turn of a conversation) or everything after ``prompt_len``."""
+    spans = item.get("trained_spans")
+    spans = [int(v) for v in spans] if spans is not None else [int(item["prompt_len"]), len(item["input_ids"])]
+    return list(zip(spans[::2], spans[1::2], strict=True))
 
 
 class PairCollator:
@@ -109,7 +122,7 @@ class PairCollator:
 class PackedSFTCollator(SFTCollator):
     """Phase-1 batches as packed rows: ``packed`` (the ``B`` sequences in order), ``input_ids`` its
     rows ``(R, W)``, ``attention_mask`` None and ``labels (R, W)``: each sequence's labels as
-    :class:`SFTCollator` makes them, its first token unlabelled (nothing of its own sequence
+    :class:`SFTCollator` makes them (:func:`trained_spans`), its first token unlabelled (nothing of its own sequence
     predicts it), ``-100`` on the rows' trailing pads. ``row_tokens``: see :func:`chatrl.packing.pack`."""
 
     packs = True
@@ -121,10 +134,13 @@ class PackedSFTCollator(SFTCollator):
     def __call__(self, batch: Sequence[dict]) -> dict:
         packed = pack([x["input_ids"] for x in batch], self.pad_token_id, self.row_tokens)
         labels = packed.input_ids.masked_fill(packed.seq_ids < 0, IGNORE_INDEX)
-        unlabelled = [int(x["prompt_len"]) if self.mask_prompt else 1 for x in batch]
-        for i, n in enumerate(unlabelled):
-            r, s = int(packed.row[i]), int(packed.start[i])
-            labels[r, s:s + max(n, 1)] = IGNORE_INDEX
+        for i, x in enumerate(batch):
+            r, s, n = int(packed.row[i]), int(packed.start[i]), len(x["input_ids"])
+            keep = torch.zeros(n, dtype=torch.bool)
+            for a, e in (trained_spans(x) if self.mask_prompt else [(0, n)]):
+                keep[a:e] = True
+            keep[0] = False  # nothing of its own sequence predicts its first token
+            labels[r, s:s + n] = labels[r, s:s + n].masked_fill(~keep, IGNORE_INDEX)
         return {"input_ids": packed.input_ids, "attention_mask": None, "labels": labels, "packed": packed}
 
 
@@ -176,8 +192,9 @@ class MicroBatches:
 
 class PromptCollator:
     """Phase-3 batches for generation: LEFT-padded ``input_ids (B, T)`` and ``attention_mask (B, T)``.
-    Items are ``{"prompt_ids": (P_i,), "metadata": dict}``. With ``with_metadata`` the batch also
-    holds ``"metadata"``: the ``B`` rows' reward metadata dicts (a list, not a tensor)."""
+    Items are ``{"prompt_ids": (P_i,), "metadata": dict, "messages"?: list}``. With ``with_metadata``
+    the batch also holds ``"metadata"``: the ``B`` rows' reward metadata dicts (a list, not a
+    tensor), and ``"messages"``: their prompt turns (an environment's episodes start from them)."""
 
     def __init__(self, pad_token_id: int, with_metadata: bool = False):
         self.pad_token_id, self.with_metadata = pad_token_id, with_metadata
@@ -187,4 +204,5 @@ class PromptCollator:
         out = {"input_ids": ids, "attention_mask": mask}
         if self.with_metadata:
             out["metadata"] = [dict(x.get("metadata") or {}) for x in batch]
+            out["messages"] = [list(x.get("messages") or []) for x in batch]
         return out

@@ -25,23 +25,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chatrl.data.schema import ASSISTANT, HUMAN
+from chatrl.data.schema import ASSISTANT, HUMAN, ROLES, TOOL
 from chatrl.models import end_of_turn_token_id, special_token_texts
 
 # Bump when the text or token layout produced here changes: it invalidates the token caches.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
-_ROLES = ("system", "user", "assistant")
-
-
-def _check_messages(messages: Sequence[dict]) -> None:
+def check_messages(messages: Sequence[dict], *, prompt: bool = True) -> None:
+    """Raise ValueError unless ``messages`` are ``{"role": one of ROLES, "content": str}`` dicts
+    (at least one) and, for a ``prompt``, the last one is a user or tool turn."""
     if not messages:
         raise ValueError("a prompt needs at least one message")
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"bad message {m!r}: need {{'role': one of {_ROLES}, 'content': str}}")
-    if messages[-1]["role"] != "user":
-        raise ValueError(f"a prompt must end with a user turn, not {messages[-1]['role']!r}")
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"bad message {m!r}: need {{'role': one of {ROLES}, 'content': str}}")
+    if prompt and messages[-1]["role"] not in ("user", "tool"):
+        raise ValueError(f"a prompt must end with a user or tool turn, not {messages[-1]['role']!r}")
+
+
+_PLAIN_MARKERS = {"user": HUMAN, "tool": TOOL, "assistant": ASSISTANT}
+
+
+def plain_turn(message: dict) -> str:
+    """One message in the Human/Assistant convention: a system turn as its text, a user turn
+    ``"\\n\\nHuman: {content}"``, a tool turn ``"\\n\\nTool: {content}"``, an assistant turn
+    ``"\\n\\nAssistant: {content}"`` (a prompt's history; a trained answer is :func:`format_answer`)."""
+    role, content = message["role"], message["content"]
+    if role == "system":
+        return content
+    return f"{_PLAIN_MARKERS[role]} {content}"
 
 
 def uses_chat_template(tokenizer) -> bool:
@@ -54,23 +66,17 @@ def format_prompt(tokenizer, messages: Sequence[dict]) -> str:
 
     With a chat template: ``apply_chat_template(messages, tokenize=False,
     add_generation_prompt=True)``. Without: system turns as leading text, each user turn
-    ``"\\n\\nHuman: {content}"``, each assistant turn ``"\\n\\nAssistant: {content}"``, and a final
-    ``"\\n\\nAssistant:"``.
+    ``"\\n\\nHuman: {content}"``, each tool turn ``"\\n\\nTool: {content}"``, each assistant turn
+    ``"\\n\\nAssistant: {content}"`` (:func:`plain_turn`), and a final ``"\\n\\nAssistant:"``.
 
     Raises:
-        ValueError: no messages, a malformed message, or the last message is not a user turn.
+        ValueError: no messages, a malformed message, or the last message is not a user or tool turn.
     """
-    _check_messages(messages)
+    check_messages(messages)
     if uses_chat_template(tokenizer):
         return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
                                              add_generation_prompt=True)
-    parts = []
-    for m in messages:
-        if m["role"] == "system":
-            parts.append(m["content"])
-        else:
-            parts.append(f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}")
-    return "".join(parts) + ASSISTANT
+    return "".join(plain_turn(m) for m in messages) + ASSISTANT
 
 
 def format_answer(tokenizer, answer: str) -> str:
@@ -101,12 +107,13 @@ def _content_spans(text: str, contents: Sequence[str]) -> list[tuple[int, int]] 
     return spans
 
 
-def _encode_rendered(tokenizer, text: str, contents: Sequence[str], specials: Sequence[str]
-                     ) -> tuple[list[int], list[tuple[int, int]] | None]:
-    """Ids (and character offsets, when the tokenizer gives them) of a chat-template rendering.
+def encode_rendered(tokenizer, text: str, contents: Sequence[str], specials: Sequence[str]
+                    ) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Ids ``(T,)`` (and character offsets, when the tokenizer gives them) of a chat-template rendering.
 
-    The template's scaffold keeps its special tokens; data ``contents`` that spell a special token
-    are tokenized as plain text (the text is cut at the content spans and the pieces encoded apart).
+    The template's scaffold keeps its special tokens (``specials``: their texts); data ``contents``
+    that spell a special token are tokenized as plain text (the text is cut at the content spans
+    and the pieces encoded apart, rule 2 of ``docs/tokenization.md``).
     """
     if not _texts_contain(contents, specials):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
@@ -137,7 +144,7 @@ def encode_prompts(tokenizer, conversations: Sequence[Sequence[dict]]) -> list[l
     texts = [format_prompt(tokenizer, msgs) for msgs in conversations]
     if uses_chat_template(tokenizer):
         specials = special_token_texts(tokenizer)
-        return [_encode_rendered(tokenizer, t, [m["content"] for m in msgs], specials)[0]
+        return [encode_rendered(tokenizer, t, [m["content"] for m in msgs], specials)[0]
                 for t, msgs in zip(texts, conversations, strict=True)]
     # The plain convention's text is all data: no special token may come from it; the tokenizer
     # adds its own (e.g. Llama's BOS).
@@ -215,10 +222,10 @@ def encode_examples(tokenizer, conversations: Sequence[Sequence[dict]], answers:
             end = full_text.find(eot_text, at + len(answer))
             full_text = full_text[:end + len(eot_text)] if end >= 0 else full_text[:at + len(answer)]
             contents = [m["content"] for m in msgs] + [answer]
-            full, offsets = _encode_rendered(tokenizer, full_text, contents, specials)
+            full, offsets = encode_rendered(tokenizer, full_text, contents, specials)
             n = _prompt_part(full, offsets, prompt, len(head))
             if n < 0:
-                full, n = prompt + _encode_rendered(tokenizer, full_text[len(head):], [answer], specials)[0], len(prompt)
+                full, n = prompt + encode_rendered(tokenizer, full_text[len(head):], [answer], specials)[0], len(prompt)
             body = _strip_end(full[n:], ends)
             out.append((full[:n], body + [eot]))
         return out

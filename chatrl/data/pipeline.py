@@ -34,8 +34,9 @@ _EVAL_KINDS = {1: (KIND_PAIRS, KIND_SFT), 2: (KIND_PAIRS,), 3: (KIND_PAIRS, KIND
 class TokenizedDataset(torch.utils.data.Dataset):
     """A ``torch`` view of a ``datasets.Dataset`` of token examples.
 
-    Items are dicts: id columns as ``LongTensor (T,)``, ``prompt_len`` as ``int``, phase 3's
-    ``metadata`` as a ``dict`` (the reward metadata of the prompt's row, ``{}`` if none).
+    Items are dicts: id columns (and phase 1's ``trained_spans``) as ``LongTensor (T,)``,
+    ``prompt_len`` as ``int``, phase 3's
+    ``metadata`` as a ``dict`` and ``messages`` (its prompt turns) as a list (the reward metadata of the prompt's row, ``{}`` if none).
     ``hf`` is the underlying ``datasets.Dataset``.
     """
 
@@ -47,7 +48,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         row = self.hf[int(i)]
-        return {k: int(v) if k == "prompt_len" else json.loads(v) if k == "metadata"
+        return {k: int(v) if k == "prompt_len" else json.loads(v) if k in ("metadata", "messages")
                 else torch.tensor(v, dtype=torch.long) for k, v in row.items()}
 
 
@@ -61,7 +62,7 @@ class PhaseData:
 
 
 def _add_rows(src: Source, rows, label: str, phase: int, tokenizer, max_seq_len: int, max_prompt_len: int,
-              columns: Columns, report: SkipReport) -> None:
+              columns: Columns, report: SkipReport, all_turns: str = "auto") -> None:
     """Tokenize the samples of ``src`` from raw ``rows`` into ``columns``, counting into ``report``."""
     by_row: dict[int, list[int]] = {}
     for i, r in enumerate(src.sample_rows):
@@ -73,7 +74,8 @@ def _add_rows(src: Source, rows, label: str, phase: int, tokenizer, max_seq_len:
         if r in src.row_skips:
             report.skip(label, src.row_skips[r])
         picked.extend(by_row.get(r, []))
-    results = tokenize_samples(phase, [src.samples[i] for i in picked], tokenizer, max_seq_len, max_prompt_len)
+    results = tokenize_samples(phase, [src.samples[i] for i in picked], tokenizer, max_seq_len, max_prompt_len,
+                               all_turns)
     for ex, truncated in results:
         if isinstance(ex, str):
             report.skip(label, ex)
@@ -86,7 +88,7 @@ def _add_rows(src: Source, rows, label: str, phase: int, tokenizer, max_seq_len:
 
 
 def _build(phase: int, data_paths: Sequence[str], tokenizer, weights, max_seq_len: int, max_prompt_len: int,
-           eval_fraction: float, eval_data_paths: Sequence[str] | None, seed: int):
+           eval_fraction: float, eval_data_paths: Sequence[str] | None, seed: int, all_turns: str = "auto"):
     train: Columns = {k: [] for k in PHASE_COLUMNS[phase]}
     evals: Columns = {k: [] for k in PHASE_COLUMNS[phase]}
     report = SkipReport()
@@ -96,8 +98,8 @@ def _build(phase: int, data_paths: Sequence[str], tokenizer, weights, max_seq_le
         tr, ev = phase_rows(src.n_rows, src.kind, phase, weights, seed, eval_fraction, hold_out)
         if len(tr) + len(ev) == 0:
             continue
-        _add_rows(src, tr, entry, phase, tokenizer, max_seq_len, max_prompt_len, train, report)
-        _add_rows(src, ev, entry, phase, tokenizer, max_seq_len, max_prompt_len, evals, report)
+        _add_rows(src, tr, entry, phase, tokenizer, max_seq_len, max_prompt_len, train, report, all_turns)
+        _add_rows(src, ev, entry, phase, tokenizer, max_seq_len, max_prompt_len, evals, report, all_turns)
         if report.counts(entry).used == 0:
             raise ValueError(f"{entry!r}: no usable rows for phase {phase} ({report.describe(entry)})")
     for entry in eval_data_paths or []:
@@ -105,7 +107,8 @@ def _build(phase: int, data_paths: Sequence[str], tokenizer, weights, max_seq_le
         if src.kind not in _EVAL_KINDS[phase]:
             raise ValueError(f"evaluation entry {entry!r} holds {src.kind} data, which phase {phase} cannot use")
         label = f"eval:{entry}"
-        _add_rows(src, range(src.n_rows), label, phase, tokenizer, max_seq_len, max_prompt_len, evals, report)
+        _add_rows(src, range(src.n_rows), label, phase, tokenizer, max_seq_len, max_prompt_len, evals, report,
+                  all_turns)
         if report.counts(label).used == 0:
             raise ValueError(f"evaluation entry {entry!r}: no usable rows ({report.describe(label)})")
     if not train[PHASE_COLUMNS[phase][0]]:
@@ -116,7 +119,8 @@ def _build(phase: int, data_paths: Sequence[str], tokenizer, weights, max_seq_le
 
 def phase_cache_key(phase: int, data_paths: Sequence[str], tokenizer, *, data_split: str = "2,4,4",
                     max_seq_len: int = 512, max_prompt_len: int = 256, eval_fraction: float = 0.05,
-                    eval_data_paths: Sequence[str] | None = None, seed: int = 1234) -> str:
+                    eval_data_paths: Sequence[str] | None = None, seed: int = 1234,
+                    all_turns: str = "auto") -> str:
     """The cache key of :func:`build_phase_data` with these arguments (sha256 hex, 64 chars).
 
     Raises:
@@ -133,6 +137,7 @@ def phase_cache_key(phase: int, data_paths: Sequence[str], tokenizer, *, data_sp
         "data_split": list(parse_data_split(data_split)),
         "eval_fraction": eval_fraction,
         "seed": seed,
+        **({"all_turns": all_turns} if phase == 1 else {}),
     }
     return cache_key(spec)
 
@@ -140,14 +145,15 @@ def phase_cache_key(phase: int, data_paths: Sequence[str], tokenizer, *, data_sp
 def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split: str = "2,4,4",
                      max_seq_len: int = 512, max_prompt_len: int = 256, eval_fraction: float = 0.05,
                      eval_data_paths: list[str] | None = None, seed: int = 1234,
-                     cache_dir: str | None = "/tmp/chatrl_data") -> PhaseData:
+                     cache_dir: str | None = "/tmp/chatrl_data", all_turns: str = "auto") -> PhaseData:
     """Tokenized train and eval data of one phase, blended from several ``--data_path`` entries.
 
     Items of ``train``/``eval`` (see :class:`TokenizedDataset`):
 
-    - phase 1: ``{"input_ids": (T,), "prompt_len": int}``, prompt + answer + EOS, ``T ≤ max_seq_len``;
+    - phase 1: ``{"input_ids": (T,), "prompt_len": int, "trained_spans": (2S,)}``, prompt + answer +
+      EOS (or a conversation's turns), ``T ≤ max_seq_len``, the trained token ranges;
     - phase 2: ``{"chosen_input_ids": (Tc,), "rejected_input_ids": (Tr,), "prompt_len": int}``;
-    - phase 3: ``{"prompt_ids": (P,), "metadata": dict}``, ``P ≤ max_prompt_len``.
+    - phase 3: ``{"prompt_ids": (P,), "metadata": dict, "messages": list}``, ``P ≤ max_prompt_len``.
 
     Args:
         phase: 1 (SFT), 2 (reward model) or 3 (PPO).
@@ -160,6 +166,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
         eval_fraction: share of each source's phase part held out for evaluation.
         eval_data_paths: explicit evaluation entries; then no rows are held out of training.
         seed: seed of the phase split.
+        all_turns: phase 1's ``--train_all_assistant_turns`` (:func:`chatrl.data.examples.tokenize_samples`).
         cache_dir: token cache folder (``None`` disables it). Every rank must see it (a shared file
             system on multi-node runs): rank 0 writes it, the others read it.
 
@@ -177,7 +184,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
 
     def build():
         return _build(phase, data_paths, tokenizer, weights, max_seq_len, max_prompt_len, eval_fraction,
-                      eval_data_paths, seed)
+                      eval_data_paths, seed, all_turns)
 
     if cache_dir is None:
         train_cols, eval_cols, report = build()
@@ -185,7 +192,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
     else:
         key = phase_cache_key(phase, data_paths, tokenizer, data_split=data_split, max_seq_len=max_seq_len,
                               max_prompt_len=max_prompt_len, eval_fraction=eval_fraction,
-                              eval_data_paths=eval_data_paths, seed=seed)
+                              eval_data_paths=eval_data_paths, seed=seed, all_turns=all_turns)
         train, evals, report = load_or_build(phase, key, cache_dir, build)
     if dist.is_main():
         log.info("phase %d data: %d train, %d eval. %s", phase, len(train), len(evals), report.summary())

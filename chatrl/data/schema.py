@@ -11,7 +11,11 @@ Schemas (names accepted by ``schema=``):
 - ``pairs``: ``{prompt, chosen, rejected}`` (Dahoas, yitingxie), ``response`` standing in for
   ``chosen``; without ``rejected`` in the source it is SFT data.
 - ``alpaca``: ``{instruction, input, output}`` (SFT only).
-- ``sharegpt``: ``{conversations: [{from, value}], chosen?, rejected?}``.
+- ``sharegpt``: ``{conversations: [{from, value}], chosen?, rejected?}`` (LLaMA-Factory's
+  ``function_call`` and ``observation`` turns are assistant and tool turns).
+- ``messages``: ``{messages: [{role, content}]}`` (the OpenAI / TRL conversational layout), SFT on
+  its assistant turns. ``hh`` and ``pairs`` rows whose ``chosen``/``rejected`` (and ``prompt``) are
+  such message lists are conversation pairs whose last assistant turn differs.
 - ``prompts``: a JSON string per row, or ``{prompt}`` / ``{text}`` (step-3 prompts only), optionally
   with a ``reference`` answer (string or number) and a ``metadata`` object for reward functions
   (``docs/rewards.md``).
@@ -27,13 +31,14 @@ from chatrl.errors import UsageError
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
+TOOL = "\n\nTool:"  # a tool's output in the Human/Assistant convention (docs/multi_turn.md)
 
 # What a source can feed: pairs go to every phase, SFT data to phase 1, prompts to phase 3.
 KIND_PAIRS = "pairs"
 KIND_SFT = "sft"
 KIND_PROMPTS = "prompts"
 
-SCHEMAS = ("hh", "pairs", "alpaca", "sharegpt", "prompts", "oasst")
+SCHEMAS = ("hh", "pairs", "alpaca", "sharegpt", "prompts", "oasst", "messages")
 
 
 @dataclass(frozen=True)
@@ -48,12 +53,17 @@ class Sample:
         metadata: for prompt-only rows, what reaches step 3's reward functions: the row's
             ``metadata`` object with its ``reference`` answer under ``"reference"``; ``None`` if
             the row has neither.
+        conversation: the row is a conversation of turns (ShareGPT, Open-Assistant, message
+            lists), laid out turn by turn (:mod:`chatrl.data.turns`: every earlier assistant turn
+            ends with its end-of-turn token, and step 1 can train each of them); ``False`` for a
+            transcript (hh-rlhf), whose earlier turns are prompt text as written.
     """
 
     messages: tuple[dict, ...]
     chosen: str | None = None
     rejected: str | None = None
     metadata: dict | None = None
+    conversation: bool = False
 
 
 class RowSkip(Exception):
@@ -162,6 +172,8 @@ def adapt_hh(row) -> list[Sample]:
     An empty chosen answer is skipped (``empty_field``); an empty rejected answer is kept: a
     silent reply is a real, dispreferred answer (helpful-base has 4 such rows).
     """
+    if isinstance(row, dict) and isinstance(row.get("chosen"), list):
+        return [conversation_pair(None, row.get("chosen"), row.get("rejected"))]
     chosen = _field(row, "chosen")
     rejected = _field(row, "rejected")
     p_c, a_c = _split_transcript(chosen)
@@ -176,6 +188,76 @@ def adapt_hh(row) -> list[Sample]:
 
 
 # ---------------------------------------------------------------------------------------------
+# conversations as message lists
+
+#: Message roles; a ``tool`` turn carries a tool's output (an environment's observation, docs/multi_turn.md).
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def message_list(value, what: str) -> list[dict]:
+    """``value`` as a list of ``{"role", "content"}`` messages (a bare string: one assistant turn).
+
+    Raises:
+        RowSkip("missing_field" | "wrong_type" | "bad_conversation"): naming ``what`` and the turn.
+    """
+    if value is None:
+        raise RowSkip("missing_field", what)
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise RowSkip("wrong_type", f"{what} is a {type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise RowSkip("wrong_type", f"{what}[{i}] is a {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise RowSkip("bad_conversation", f"{what}[{i}] has role {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise RowSkip("wrong_type", f"{what}[{i}].content is a {type(m.get('content')).__name__}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _split_last_answer(messages: list[dict], what: str) -> tuple[list[dict], str]:
+    if not messages or messages[-1]["role"] != "assistant":
+        raise RowSkip("bad_conversation", f"{what} does not end with an assistant turn")
+    if not messages[-1]["content"].strip() and what != "rejected":
+        raise RowSkip("empty_field", f"{what}'s last assistant turn")
+    return messages[:-1], messages[-1]["content"].strip()
+
+
+def conversation_pair(prompt, chosen, rejected) -> Sample:
+    """A conversation pair (or, without ``rejected``, SFT): ``chosen`` and ``rejected`` message
+    lists (after the ``prompt`` list, when given) that share every turn but their last assistant turn.
+
+    Raises:
+        RowSkip: a malformed message list, a side that does not end with an assistant turn, sides
+            that differ before it (``bad_conversation``), or a prompt that does not end with a user
+            or tool turn.
+    """
+    head = message_list(prompt, "prompt") if prompt is not None else []
+    history, good = _split_last_answer(head + message_list(chosen, "chosen"), "chosen")
+    bad = None
+    if rejected is not None:
+        other, bad = _split_last_answer(head + message_list(rejected, "rejected"), "rejected")
+        if other != history:
+            raise RowSkip("bad_conversation", "chosen and rejected differ before their last assistant turn")
+    if not history or history[-1]["role"] not in ("user", "tool"):
+        raise RowSkip("bad_conversation", "the turns before the answer do not end with a user or tool turn")
+    return Sample(tuple(history), good, bad, conversation=True)
+
+
+def adapt_messages(row) -> list[Sample]:
+    """``{messages: [{role, content}, ...]}`` → an SFT :class:`Sample` whose answer is the last
+    assistant turn (step 1 trains every assistant turn of it, ``--train_all_assistant_turns``)."""
+    if not isinstance(row, dict):
+        raise RowSkip("wrong_type", f"row is a {type(row).__name__}, not an object")
+    return [conversation_pair(None, row.get("messages"), None)]
+
+
+# ---------------------------------------------------------------------------------------------
 # other schemas
 
 
@@ -187,7 +269,12 @@ def _prompt_messages(prompt: str) -> tuple[dict, ...]:
 
 
 def adapt_pairs(row, *, pairs: bool) -> list[Sample]:
-    """``{prompt, chosen | response, rejected}`` → a pair (``pairs``) or an SFT :class:`Sample`."""
+    """``{prompt, chosen | response, rejected}`` → a pair (``pairs``) or an SFT :class:`Sample`;
+    with message lists, a conversation pair (:func:`conversation_pair`)."""
+    if isinstance(row, dict) and isinstance(row.get("prompt"), list):
+        if pairs:
+            return [conversation_pair(row["prompt"], row.get("chosen"), row.get("rejected"))]
+        return [conversation_pair(row["prompt"], row.get("chosen", row.get("response")), None)]
     prompt = _field(row, "prompt")
     chosen = _field(row, "chosen", required=False)
     if chosen is None:
@@ -206,7 +293,7 @@ def adapt_alpaca(row) -> list[Sample]:
 
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system"}
+                   "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 
 def _sharegpt_turn(turn, what: str, allow_empty: bool = False) -> dict:
@@ -247,9 +334,10 @@ def adapt_sharegpt(row, *, pairs: bool) -> list[Sample]:
         if not messages or messages[-1]["role"] != "assistant":
             raise RowSkip("bad_conversation", "no final gpt turn to learn")
         chosen, rejected = messages.pop()["content"], None
-    if not messages or messages[-1]["role"] != "user":
-        raise RowSkip("bad_conversation", "the prompt does not end with a human turn")
-    return [Sample(tuple(messages), chosen.strip(), rejected.strip() if rejected is not None else None)]
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise RowSkip("bad_conversation", "the prompt does not end with a human or observation turn")
+    return [Sample(tuple(messages), chosen.strip(), rejected.strip() if rejected is not None else None,
+                   conversation=True)]
 
 
 #: Optional fields of a prompt-only row that flow to the reward functions.
@@ -303,7 +391,7 @@ def _oasst_nodes(node, path: list[dict]) -> Iterator[Sample]:
         ranked = sorted((r for r in replies if isinstance(r.get("rank"), int) and isinstance(r.get("text"), str)
                          and r["text"].strip()), key=lambda r: r["rank"])
         if len(ranked) >= 2:
-            yield Sample(tuple(here), ranked[0]["text"].strip(), ranked[1]["text"].strip())
+            yield Sample(tuple(here), ranked[0]["text"].strip(), ranked[1]["text"].strip(), conversation=True)
     for reply in replies:
         yield from _oasst_nodes(reply, here)
 
@@ -354,6 +442,8 @@ def detect_schema(rows: Iterable, where: str) -> tuple[str, str]:
         return "oasst", KIND_PAIRS
     if "conversations" in keys:
         return "sharegpt", KIND_PAIRS if {"chosen", "rejected"} & keys else KIND_SFT
+    if "messages" in keys:
+        return "messages", KIND_SFT
     if {"instruction", "output"} <= keys:
         return "alpaca", KIND_SFT
     if "prompt" in keys and ({"chosen", "response"} & keys):
@@ -364,7 +454,7 @@ def detect_schema(rows: Iterable, where: str) -> tuple[str, str]:
         return "prompts", KIND_PROMPTS
     raise UsageError(f"{where}: unknown data schema; saw keys {sorted(keys)} (known: hh-rlhf "
                      "{chosen, rejected}; {prompt, chosen, rejected}; alpaca {instruction, input, output}; "
-                     "sharegpt {conversations}; prompts {prompt} | {text} | a JSON string, with optional reference "
+                     "sharegpt {conversations}; messages {messages}; prompts {prompt} | {text} | a JSON string, with optional reference "
                      "and metadata; oasst trees)")
 
 
@@ -374,7 +464,7 @@ def schema_kind(schema: str, rows: Iterable) -> str:
         raise UsageError(f"unknown schema {schema!r}; choose from {SCHEMAS}")
     if schema in ("hh", "oasst"):
         return KIND_PAIRS
-    if schema == "alpaca":
+    if schema in ("alpaca", "messages"):
         return KIND_SFT
     if schema == "prompts":
         return KIND_PROMPTS
@@ -396,4 +486,6 @@ def adapt_row(row, schema: str, kind: str) -> list[Sample]:
         return adapt_prompt(row)
     if schema == "oasst":
         return adapt_oasst(row)
+    if schema == "messages":
+        return adapt_messages(row)
     raise UsageError(f"unknown schema {schema!r}; choose from {SCHEMAS}")

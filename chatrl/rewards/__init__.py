@@ -4,13 +4,15 @@
 - :class:`~chatrl.rewards.function.FunctionReward`: a Python function ``module:function`` of the
   prompts, decoded answers and per-row metadata; built-ins in :mod:`chatrl.rewards.builtin`
   (exact-match maths answer, regular-expression format check);
-- :class:`~chatrl.rewards.http.HttpReward`: a reward server over HTTP (``python -m chatrl.reward_server``).
+- :class:`~chatrl.rewards.http.HttpReward`: a reward server over HTTP (``python -m chatrl.reward_server``);
+- :class:`~chatrl.rewards.base.EpisodeReward`: an environment's reward of multi-turn episodes (``--env``).
 
 :class:`~chatrl.rewards.base.WeightedReward` sums several; :func:`~chatrl.rewards.base.score_on_all_ranks`
 makes a failure on one rank an error on every rank instead of a hang.
 """
 
 from chatrl.rewards.base import (
+    EpisodeReward,
     ModelReward,
     RewardBatch,
     RewardError,
@@ -26,6 +28,7 @@ from chatrl.rewards.http import HttpReward, decode_request, decode_response, enc
 
 __all__ = [
     "BUILTIN_REWARD_FNS",
+    "EpisodeReward",
     "FunctionReward",
     "HttpReward",
     "ModelReward",
@@ -46,7 +49,8 @@ __all__ = [
 
 
 def build_reward(reward_fns=(), reward_urls=(), model: ModelReward | None = None, model_weight: float = 1.0, *,
-                 http_timeout: float = 60.0, http_retries: int = 2, http_batch_size: int = 256) -> WeightedReward:
+                 http_timeout: float = 60.0, http_retries: int = 2, http_batch_size: int = 256,
+                 episodes: bool = False) -> WeightedReward:
     """The weighted sum of the sources named on the command line.
 
     Args:
@@ -55,12 +59,14 @@ def build_reward(reward_fns=(), reward_urls=(), model: ModelReward | None = None
         reward_urls: ``--reward_url`` values, each ``[WEIGHT*]http://host:port/path``.
         model: the reward-model source, if any, with weight ``model_weight``.
         http_timeout, http_retries, http_batch_size: for every URL, see :class:`HttpReward`.
+        episodes: multi-turn episodes (``--env``): the environment's reward (:class:`EpisodeReward`,
+            weight 1) comes first.
 
     Raises:
         ValueError: no source at all, a bad weight; ImportError/AttributeError/TypeError from
             :func:`load_reward_fn` (naming the spec).
     """
-    parts: list[tuple[float, RewardSource]] = []
+    parts: list[tuple[float, RewardSource]] = [(1.0, EpisodeReward())] if episodes else []
     if model is not None:
         parts.append((float(model_weight), model))
     for spec in reward_fns:

@@ -36,6 +36,9 @@ class RewardBatch:
             prompt with its chat-template markers and special tokens, then the answer through its
             stop token, padding dropped (one decode of the ids below). What a reward model scores.
         token_ids: optional ``B`` lists of the same token ids (prompt + answer, no padding).
+        episode_rewards: for multi-turn episodes (``--env``), each episode's summed environment
+            rewards (:class:`EpisodeReward`); ``answers`` are then the last assistant turns and
+            ``sequences`` the whole episodes.
     """
 
     prompts: list[str]
@@ -47,6 +50,7 @@ class RewardBatch:
     prompt_len: int | None = None
     formatted_texts: list[str] | None = None
     token_ids: list[list[int]] | None = None
+    episode_rewards: list[float] | None = None
 
     def __post_init__(self):
         if not self.metadata:
@@ -206,6 +210,18 @@ class ModelReward:
             raise RewardError("the reward model needs the batch's token ids (sequences, attention_mask, prompt_len)")
         scores = self.score_fn(batch.sequences, batch.attention_mask, batch.prompt_len)
         return check_scores(scores, len(batch), f"reward model (step {batch.step})")
+
+
+class EpisodeReward:
+    """The environment's reward of multi-turn episodes (``--env``, ``docs/multi_turn.md``): each
+    episode's summed step rewards, carried by the batch (:attr:`RewardBatch.episode_rewards`)."""
+
+    name = "env"
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        if batch.episode_rewards is None:
+            raise RewardError("the environment's reward needs episodes (RewardBatch.episode_rewards)")
+        return check_scores(batch.episode_rewards, len(batch), f"environment (step {batch.step})")
 
 
 class WeightedReward:

@@ -47,13 +47,32 @@ _THIN_SPACES = re.compile(r"\\[!,;:]|\$|\\%|%|\\left|\\right")
 _BOXED_WORDS = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{[^{}]*\}")
 
 
+#: Numbers whose decimal exponent is larger than this in magnitude, or that have more digits than
+#: MAX_DIGITS, are not read as values: ``1e999999`` would take minutes as an exact fraction, 5,000
+#: digits pass Python's integer conversion limit, and no answer is such a number.
+MAX_EXPONENT = 400
+MAX_DIGITS = 1000
+_EXPONENT = re.compile(r"[eE]([-+]?\d+)$")
+
+
+def _exact(num: str) -> Fraction | None:
+    """``num`` (an ``UNSIGNED`` match) as an exact fraction, thousands commas dropped; None when its
+    exponent passes :data:`MAX_EXPONENT` or its digits :data:`MAX_DIGITS`."""
+    e = _EXPONENT.search(num)
+    if (e and abs(int(e.group(1))) > MAX_EXPONENT) or len(num) > MAX_DIGITS + 40:
+        return None
+    return Fraction(num.replace(",", ""))
+
+
 def _fraction(text: str | None) -> Fraction | None:
     if text is None:
         return None
     m = _SIGNED.fullmatch(_clean(text))
     if not m:
         return None
-    value = Fraction(m["num"].replace(",", ""))
+    value = _exact(m["num"])
+    if value is None:
+        return None
     return -value if m["sign"] in ("-", "\u2212") else value
 
 
@@ -71,8 +90,8 @@ def _atom_value(m: re.Match) -> Fraction | None:
     if m["whole"]:
         mn, md = int(m["mn"]), int(m["md"])
         return Fraction(int(m["whole"])) + Fraction(mn, md) if 0 < mn < md else None
-    n = Fraction(m["n"].replace(",", ""))
-    return _quotient(n, Fraction(m["d"].replace(",", ""))) if m["d"] else n
+    n = _exact(m["n"])
+    return _quotient(n, _exact(m["d"])) if m["d"] else n
 
 
 def _clean(text: str) -> str:

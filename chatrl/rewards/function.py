@@ -9,13 +9,11 @@ built-in name from :data:`BUILTIN_REWARD_FNS`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from chatrl.plugins import import_object
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores
 
 #: Short names of the built-in reward functions (``--reward_fn exact_match``).
@@ -33,29 +31,7 @@ def load_reward_fn(spec: str) -> Callable:
         ImportError: the module or file cannot be imported (the message names the spec and why).
         AttributeError: the module has no such attribute. TypeError: the attribute is not callable.
     """
-    target = BUILTIN_REWARD_FNS.get(spec, spec)
-    module_name, sep, fn_name = target.rpartition(":")
-    if not sep or not module_name or not fn_name:
-        raise ValueError(f"--reward_fn {spec!r}: expected module:function, path/to/file.py:function or one of "
-                         f"{sorted(BUILTIN_REWARD_FNS)}")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ImportError(f"no file {path}")
-            mod_spec = importlib.util.spec_from_file_location(f"chatrl_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ImportError(f"--reward_fn {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise AttributeError(f"--reward_fn {spec!r}: module {module_name!r} has no attribute {fn_name!r}")
-    if not callable(fn):
-        raise TypeError(f"--reward_fn {spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return import_object(spec, "--reward_fn", BUILTIN_REWARD_FNS)
 
 
 class FunctionReward:

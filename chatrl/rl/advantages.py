@@ -50,6 +50,11 @@ class AdvantageInputs:
         values: ``(B, A)`` the critic's values at experience time, or ``None`` without a critic.
         num_samples_per_prompt: ``N``, the group size of the layout above.
         all_reduce_sum: sums a tensor over the data-parallel ranks; ``None`` on one rank.
+        turn_rewards: ``(B, A)`` for multi-turn episodes (``docs/multi_turn.md``): the part of
+            ``scores`` an environment gave at the end of an assistant turn before the last one, at
+            that turn's last token (0 elsewhere); ``None`` for single answers. ``scores`` is the
+            whole episode's reward, these included. The critic-free estimators use ``scores``;
+            PPO places each part at its turn.
     """
 
     scores: torch.Tensor
@@ -59,6 +64,7 @@ class AdvantageInputs:
     values: torch.Tensor | None = None
     num_samples_per_prompt: int = 1
     all_reduce_sum: AllReduce | None = None
+    turn_rewards: torch.Tensor | None = None
 
 
 @dataclass
@@ -222,7 +228,9 @@ def ppo_advantages(inputs: AdvantageInputs, settings) -> Advantages:
     """PPO's advantages: KL-shaped per-token rewards (:func:`chatrl.rl.core.compute_rewards`: the KL
     penalty on every action, the score clipped to ``±clip_reward_value`` on the last one), then GAE
     on the critic's values (:func:`chatrl.rl.core.gae`, ``gamma``, ``lam``), optionally whitened
-    over the rank's buffer (``whiten_advantages``).
+    over the rank's buffer (``whiten_advantages``). In a multi-turn episode the environment's
+    per-turn rewards (``inputs.turn_rewards``) are added at their turns' last tokens, unclipped, and
+    the rest of the score at the last action token (GAE skips the observation tokens between turns).
 
     Args:
         inputs: with ``values`` (PPO has a critic).
@@ -236,8 +244,11 @@ def ppo_advantages(inputs: AdvantageInputs, settings) -> Advantages:
     """
     if inputs.values is None:
         raise ValueError("ppo_advantages: PPO's advantages need the critic's values")
-    rewards = core.compute_rewards(inputs.scores, inputs.kl, inputs.action_mask, inputs.kl_coef,
-                                   settings.clip_reward_value)
+    turn = inputs.turn_rewards
+    final = inputs.scores if turn is None else inputs.scores - core.masked_sum(turn, inputs.action_mask, dim=1)
+    rewards = core.compute_rewards(final, inputs.kl, inputs.action_mask, inputs.kl_coef, settings.clip_reward_value)
+    if turn is not None:
+        rewards = rewards + core.where_valid(turn.to(rewards.dtype), core.valid_mask(inputs.action_mask))
     advantages, returns = core.gae(inputs.values, rewards, inputs.action_mask, settings.gamma, settings.lam)
     if settings.whiten_advantages:
         advantages = core.masked_whiten(advantages, inputs.action_mask)

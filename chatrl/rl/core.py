@@ -438,10 +438,18 @@ def gae(
     """Generalised advantage estimation over the action tokens of each row.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where
-    ``V_{t+1}`` and ``A_{t+1}`` are 0 beyond the last action token (the episode ends with the
-    answer). A masked position ends the episode: its value and reward are never read, so garbage
-    there cannot leak into earlier advantages. (Action masks are prefixes, so this only matters
-    at the end of each row.)
+    ``t + 1`` is the NEXT ACTION token of the row: masked positions are skipped, not steps of the
+    episode. Beyond the last action token ``V`` and ``A`` are 0 (the episode ends with the
+    answer). A masked position's value and reward are never read, so garbage there cannot leak
+    into any advantage.
+
+    Single-turn action masks are prefixes (masked positions only after the answer). In a
+    multi-turn episode (``docs/multi_turn.md``) the observation tokens an environment appended
+    between two assistant turns are masked holes inside the answer region: the agent did not act
+    there, so the bootstrap from the last token of turn ``k`` goes to the first token of turn
+    ``k + 1`` (its value is the value of the state after the observation), discounted once.
+    Stopping at the hole instead would cut the episode into independent ones and drop the final
+    reward from every earlier turn's advantage.
 
     Args:
         values: ``(B, A)`` critic values ``V(state before token t)`` recorded at experience time.
@@ -458,7 +466,8 @@ def gae(
     Raises:
         ValueError: shape mismatch or gamma / lam outside [0, 1].
 
-    Source: Schulman et al. 2016 (High-dimensional continuous control using GAE), eq. (16).
+    Source: Schulman et al. 2016 (High-dimensional continuous control using GAE), eq. (16); the
+    skipped observation tokens as in veRL's multi-turn GAE (``response_mask``).
     """
     check_2d("gae", values=values)
     check_same_shape("gae", values=values, rewards=rewards, action_mask=action_mask)
@@ -479,9 +488,11 @@ def gae(
         columns = []
         for t in reversed(range(length)):
             delta = r[:, t] + gamma * next_value - v[:, t]
-            next_adv = (delta + gamma * lam * next_adv) * m[:, t]
-            next_value = v[:, t]
-            columns.append(next_adv)
+            adv_t = (delta + gamma * lam * next_adv) * m[:, t]
+            # a masked position is skipped: the next action's value and advantage carry over it
+            next_adv = torch.where(valid[:, t], adv_t, next_adv)
+            next_value = torch.where(valid[:, t], v[:, t], next_value)
+            columns.append(adv_t)
         if columns:
             advantages = torch.stack(columns[::-1], dim=1)
         else:

@@ -1,10 +1,12 @@
 """Step 1: supervised fine-tuning of the actor on prompt → answer pairs.
 
-Read top to bottom: flags, set-up (distributed, data, model, DeepSpeed engine), the training loop
+Read top to bottom: flags, set-up (distributed, the chat-template check on a few data rows, data,
+model, DeepSpeed engine), the training loop
 with evaluation every ``--eval_interval`` steps and at each epoch end, then the HF-format save.
 
 Loss: next-token cross-entropy over the answer tokens (the prompt is masked unless
-``--include_prompt_loss``), each token of an optimizer step weighted equally across micro-batches
+``--include_prompt_loss``; every assistant turn of a conversation with ``--train_all_assistant_turns``,
+``docs/multi_turn.md``), each token of an optimizer step weighted equally across micro-batches
 and ranks (see :mod:`chatrl.step1_sft.loss`), so the step's gradient does not depend on how its
 samples are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out (``--packing``:
 rows without padding, docs/packing.md). Eval perplexity is ``exp`` of the token-weighted
@@ -27,6 +29,8 @@ from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
 from chatrl.data.collate import MicroBatches, PackedSFTCollator
+from chatrl.data.examples import ALL_TURNS_CHOICES
+from chatrl.data.template_check import check_startup, startup_conversations
 from chatrl.generation import eos_rate
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.models import check_context_window, check_packing, load_tokenizer
@@ -45,6 +49,11 @@ class SFTConfig:
     """Step 1."""
 
     include_prompt_loss: bool = setting(False, "also train on prompt tokens (off: loss over answer tokens only)")
+    train_all_assistant_turns: str = setting(
+        "auto", "train every assistant turn of a conversation, with user, system and tool turns masked: auto (for "
+                "conversation data: ShareGPT, Open-Assistant, message lists), true (every multi-turn row, hh-rlhf "
+                "transcripts laid out turn by turn too), false (the last answer only); docs/multi_turn.md",
+        choices=ALL_TURNS_CHOICES)
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Step1Settings(config.TrainingSettings):
     optim: config.OptimConfig = uses(config.OptimConfig, defaults={"learning_rate": 1e-3})
     sft: SFTConfig = uses(SFTConfig)
     eos_check: config.EosCheckConfig = uses(config.EosCheckConfig)
+    template_check: config.TemplateCheckConfig = uses(config.TemplateCheckConfig)
 
 
 def build_parser():
@@ -101,7 +111,10 @@ def run(argv: list[str] | None = None) -> dict:
     info = program.start("step 1 (SFT)", s.log, s.optim.seed)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
-    data = phase_data(1, s.data, tokenizer, s.optim.seed)
+    all_turns = s.sft.train_all_assistant_turns
+    check_startup(tokenizer, startup_conversations(s.data.data_path, turn_by_turn=all_turns == "true"), "step 1",
+                  s.template_check.skip_template_check, log)
+    data = phase_data(1, s.data, tokenizer, s.optim.seed, all_turns=all_turns)
     collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)  # eval batches
     # training: each optimizer step's samples, cut into micro-batches by count or token budget, padded or packed
     loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, list, info, s.optim.seed)

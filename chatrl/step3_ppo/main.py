@@ -28,6 +28,8 @@ from chatrl.checkpoint import (
     write_run_marker,
 )
 from chatrl.data import PromptCollator, SFTCollator, phase_data
+from chatrl.data.template_check import DEFAULT_CONVERSATIONS, check_startup, startup_conversations
+from chatrl.envs import load_environment
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.models import (
     check_context_window,
@@ -62,19 +64,27 @@ def make_generate(actor_engine, s: Step3Settings, tokenizer) -> tuple[HybridEngi
     """The rollout function: the hybrid engine's generate with the sampling flags bound, run inside
     :meth:`HybridEngine.inference` so that training always runs in the training layout (and
     ``--release_inference_cache`` frees the inference copy after every rollout). It returns
-    ``(sequences, sampler log-probs of the sampled tokens)``."""
+    ``(sequences, sampler log-probs of the sampled tokens)``. Its ``session`` attribute is
+    :meth:`HybridEngine.inference`: a multi-turn rollout generates every turn inside one session
+    (one switch of layout per rollout, not one per turn)."""
     h = s.hybrid
     hybrid = HybridEngine(actor_engine, enable=h.enable_hybrid_engine, inference_tp_size=h.inference_tp_size,
                           tp_gather_partition_size=h.tp_gather_partition_size,
                           release_inference_cache=h.release_inference_cache)
     sampling = sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)
 
-    def generate(ids, mask):
-        with hybrid.inference():
-            return hybrid.generate(ids, mask, max_new_tokens=s.rollout.max_answer_seq_len, **sampling,
-                                   eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                   output_logprobs=True)
+    def turn(ids, mask):
+        return hybrid.generate(ids, mask, max_new_tokens=s.rollout.max_answer_seq_len, **sampling,
+                               eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                               output_logprobs=True)
 
+    def generate(ids, mask):
+        if hybrid.in_inference:  # inside a session (a multi-turn rollout)
+            return turn(ids, mask)
+        with hybrid.inference():
+            return turn(ids, mask)
+
+    generate.session = hybrid.inference
     return hybrid, generate
 
 
@@ -109,7 +119,16 @@ def make_reward(s: Step3Settings, reward_engine, score_fn=None, pad_token_id: in
              if reward_engine is not None else None)
     r = s.reward
     return build_reward(r.reward_fn, r.reward_url, model, http_timeout=r.reward_http_timeout,
-                        http_retries=r.reward_http_retries, http_batch_size=r.reward_http_batch_size)
+                        http_retries=r.reward_http_retries, http_batch_size=r.reward_http_batch_size,
+                        episodes=bool(s.env.env))
+
+
+def episode_turns(exp, row: int) -> list[dict]:
+    """The turns after the opening of episode ``row`` of a buffer, for the report: each
+    ``{"role", "content", "observation": bool}`` (observations are the environment's turns)."""
+    msgs = exp.transcripts[row]
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+    return [{"role": m["role"], "content": m["content"], "observation": m["role"] != "assistant"} for m in msgs[first:]]
 
 
 @dataclass
@@ -153,18 +172,24 @@ def build(args, score_fn=None) -> Step3Run:
     sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)  # bad flags fail before loading
     critic_source = s.critic_source()  # before the reward: PPO without any reward names the critic first
     reward_path = s.reward_model_path() if score_fn is None else None
-    check_context_window([s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
-                         {"--max_prompt_seq_len + --max_answer_seq_len":
-                          rollout.max_prompt_seq_len + rollout.max_answer_seq_len}, s.actor.trust_remote_code)
+    episodes = s.episodes()
+    budget = ({"--max_total_tokens": episodes.max_total_tokens} if episodes else
+              {"--max_prompt_seq_len + --max_answer_seq_len": rollout.max_prompt_seq_len + rollout.max_answer_seq_len})
+    check_context_window([s.actor.model_name_or_path, critic_source and critic_source[0], reward_path], budget,
+                         s.actor.trust_remote_code)
     check_packing(s.packing, [s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
                   s.actor.trust_remote_code)
     adapted = s.fit_loss_aggregation_to_token_budget()
+    make_env = load_environment(s.env.env, s.env.env_args) if s.env.env else None
     seed = s.actor_optim.seed
     info = program.start(f"step 3 ({algorithm.name})", s.log, seed)
     if adapted and info.is_main:
         log.info(adapted)
     tokenizer = load_tokenizer(s.actor.model_name_or_path, padding_side="left",
                                trust_remote_code=s.actor.trust_remote_code)
+    check_startup(tokenizer, {**startup_conversations(s.data.data_path),
+                              **({"tool_calls": DEFAULT_CONVERSATIONS["tool_calls"]} if episodes else {})},
+                  "step 3", s.template_check.skip_template_check, log)
     if reward_path:
         check_tokenizers_compatible(tokenizer, load_tokenizer(reward_path), s.actor.model_name_or_path, reward_path)
 
@@ -198,10 +223,12 @@ def build(args, score_fn=None) -> Step3Run:
     several = info.world_size > 1
     trainer = Trainer(engines.actor, engines.reference, engines.critic, reward, generate, kl_ctl, s.ppo, tokenizer,
                       gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
-                      world_size=info.world_size, answer_len=rollout.max_answer_seq_len,
+                      world_size=info.world_size,
+                      answer_len=episodes.max_region_tokens if episodes else rollout.max_answer_seq_len,
                       all_reduce_sum=dist.all_reduce_sum if several else None,
                       all_reduce_max=dist.all_reduce_max if several else None, rank=info.rank, ema=engines.ema,
-                      temperature=s.sampling.temperature, packing=s.packing)
+                      temperature=s.sampling.temperature, packing=s.packing, env=make_env, episodes=episodes,
+                      max_prompt_len=rollout.max_prompt_seq_len)
     tracker = Tracker.for_run(s.log, info.is_main)
     critic_desc = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{s.critic_zero.zero_stage}"
                    if engines.critic is not None else "no critic")
@@ -211,7 +238,9 @@ def build(args, score_fn=None) -> Step3Run:
                   f"epoch(s), {plan.actor_steps} actor optimizer steps, {critic_desc}; actor "
                   f"ZeRO-{s.actor_zero.zero_stage}, hybrid engine {'on' if s.hybrid.enable_hybrid_engine else 'off'}; "
                   f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
-                  + (f" (reward model {reward_path})" if reward_path else ""))
+                  + (f" (reward model {reward_path})" if reward_path else "")
+                  + (f"; episodes of --env {s.env.env}: up to {episodes.max_turns} assistant turns, "
+                     f"{episodes.max_total_tokens} tokens" if episodes else ""))
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
     trained = {"actor": engines.actor, **({"critic": engines.critic} if engines.critic is not None else {})}
@@ -255,7 +284,8 @@ def train(run: Step3Run) -> dict:
             for _ in range(s.rollout.generation_batches):
                 batch = next(it)
                 rollouts.append(trainer.rollout(batch["input_ids"].to(info.device),
-                                                batch["attention_mask"].to(info.device), batch["metadata"], step + 1))
+                                                batch["attention_mask"].to(info.device), batch["metadata"], step + 1,
+                                                batch.get("messages")))
             t1 = time.time()
             # 2. experience: log-probs, values, KL, the algorithm's advantages
             stats = PooledStats()  # every logged statistic, pooled over the global batch
@@ -292,7 +322,8 @@ def train(run: Step3Run) -> dict:
                 a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
                 tracker.sample(step, tokenizer.decode(p, skip_special_tokens=True),
                                tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
-                               (exp.kl[0] * exp.action_mask[0]).sum().item(), show=s.rollout.print_answers)
+                               (exp.kl[0] * exp.action_mask[0]).sum().item(), show=s.rollout.print_answers,
+                               turns=episode_turns(exp, 0) if exp.turns is not None else None)
             ckpt.save_if_due(step, total_buffers, state())
             save_snapshot_if_due(s.snapshots.save_hf_interval, step, total_buffers, engines.actor.module, tokenizer,
                                  s.log.output_dir)  # the actor as an HF folder, for python -m chatrl.eval

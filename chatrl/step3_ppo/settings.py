@@ -9,6 +9,7 @@ from chatrl import config
 from chatrl.config import setting, uses
 from chatrl.errors import UsageError
 from chatrl.rl.algorithms import ALGORITHMS, Algorithm
+from chatrl.sizes import EpisodePlan, plan_episodes
 
 
 @dataclass
@@ -16,8 +17,8 @@ class Step3ModelsConfig:
     """The frozen reward model."""
 
     reward_model_name_or_path: str | None = setting(None, "frozen reward model (unset: the critic's step-2 folder, "
-                                                          "unless --reward_fn/--reward_url give the reward)", type=str,
-                                                    path="model")
+                                                          "unless --reward_fn/--reward_url/--env give the reward)",
+                                                    type=str, path="model")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Step3Settings:
     data: config.DataConfig = uses(config.DataConfig, only=("data_path", "data_split", "data_output_path",
                                                              "unsupervised_dataset_name"))
     rollout: config.RolloutConfig = uses(config.RolloutConfig)
+    env: config.EnvConfig = uses(config.EnvConfig)
     actor_optim: config.OptimConfig = uses(config.OptimConfig, prefix="actor_",
                                            defaults={"learning_rate": 9.65e-6})
     critic_optim: config.OptimConfig = uses(config.OptimConfig, prefix="critic_", defaults={"learning_rate": 5e-6})
@@ -47,6 +49,7 @@ class Step3Settings:
     log: config.LogConfig = uses(config.LogConfig)
     ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
     snapshots: config.SnapshotConfig = uses(config.SnapshotConfig)
+    template_check: config.TemplateCheckConfig = uses(config.TemplateCheckConfig)
 
     @property
     def algorithm(self) -> Algorithm:
@@ -55,8 +58,23 @@ class Step3Settings:
 
     @property
     def rule_rewards(self) -> bool:
-        """Whether ``--reward_fn`` or ``--reward_url`` give (part of) the reward."""
-        return bool(self.reward.reward_fn or self.reward.reward_url)
+        """Whether ``--reward_fn``, ``--reward_url`` or an environment (``--env``) give (part of) the reward."""
+        return bool(self.reward.reward_fn or self.reward.reward_url or self.env.env)
+
+    def episodes(self) -> EpisodePlan | None:
+        """The multi-turn episodes' sizes with ``--env`` (:func:`chatrl.sizes.plan_episodes`), else None.
+
+        Raises:
+            UsageError: ``--max_turns`` or ``--max_total_tokens`` without ``--env``, or bad sizes.
+        """
+        e = self.env
+        if not e.env:
+            for flag in ("max_turns", "max_total_tokens"):
+                if getattr(e, flag) is not None:
+                    raise UsageError(f"--{flag} needs --env (an environment plays the turns between answers)")
+            return None
+        return plan_episodes(self.rollout.max_prompt_seq_len, self.rollout.max_answer_seq_len, e.max_turns,
+                             e.max_total_tokens)
 
     def fit_loss_aggregation_to_token_budget(self) -> str | None:
         """With ``--max_tokens_per_micro_batch``, make the loss aggregation a global one, in place.
@@ -86,15 +104,16 @@ class Step3Settings:
         ``--reward_fn``/``--reward_url`` gives the reward) the critic's step-2 folder.
 
         Raises:
-            UsageError: the reward needs a reward model and no flag names one.
+            UsageError: the reward needs a reward model and no flag names one (``--reward_fn``,
+                ``--reward_url`` or ``--env`` give a reward without one).
         """
         explicit = self.models.reward_model_name_or_path
         if self.rule_rewards and not explicit:
             return None
         path = explicit or self.critic.model_name_or_path
         if not path:
-            raise UsageError(f"--rl_algorithm {self.ppo.rl_algorithm} needs a reward: --reward_fn, --reward_url or "
-                             "--reward_model_name_or_path (or --critic_model_name_or_path, a step-2 reward model)")
+            raise UsageError(f"--rl_algorithm {self.ppo.rl_algorithm} needs a reward: --reward_fn, --reward_url, --env "
+                             "or --reward_model_name_or_path (or --critic_model_name_or_path, a step-2 reward model)")
         return path
 
     def critic_source(self) -> tuple[str, bool] | None:
@@ -115,6 +134,6 @@ class Step3Settings:
         if self.rule_rewards:
             return self.actor.model_name_or_path, False
         raise UsageError(f"--rl_algorithm {self.ppo.rl_algorithm} needs --critic_model_name_or_path (the step-2 "
-                         "reward model that initialises the critic), or a --reward_fn/--reward_url reward (the critic "
+                         "reward model that initialises the critic), or a --reward_fn/--reward_url/--env reward (the critic "
                          "then starts from the actor with a fresh value head); or choose a critic-free "
                          f"--rl_algorithm ({', '.join(n for n, a in ALGORITHMS.items() if not a.needs_critic)})")

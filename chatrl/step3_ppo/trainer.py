@@ -9,7 +9,11 @@ the same for all. Per experience buffer (:func:`chatrl.step3_ppo.main.train` rea
    generated in the hybrid engine's inference layout with the sampler's log-prob of every sampled
    token, the action mask (through the first stop token, detail 3 of ``docs/ppo.md``), the reward
    of every source (:class:`chatrl.rewards.WeightedReward`: reward model, functions, servers; a
-   failure on any rank an error on every rank) minus ``--penalty_no_eos``;
+   failure on any rank an error on every rank) minus ``--penalty_no_eos``. With an environment
+   (``--env``, :meth:`Trainer.rollout_episodes`) each rollout is a multi-turn episode
+   (:mod:`chatrl.envs.rollout`): the answer region holds every assistant turn and the
+   observations between them, the action mask is 1 on the sampled tokens only, and the
+   environment's reward is one of the sources (``docs/multi_turn.md``);
 2. **experience** (:meth:`Trainer.make_experience`): the generation batches padded to one width
    and concatenated, then the actor's log-probs and entropy, the critic's values (when there is
    one) and the reference's log-probs on the training micro-batches; then
@@ -37,16 +41,20 @@ boundary; the loss aggregation is then a global one (``docs/packing.md``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from chatrl.config import PackingConfig, PPOConfig
+from chatrl.envs import EnvFactory
+from chatrl.envs.rollout import episode_seed, run_episodes
 from chatrl.logprobs import logprobs_and_entropy, logprobs_from_logits
 from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
-from chatrl.rewards import WeightedReward, reward_batch_from_tokens, score_on_all_ranks
+from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
+from chatrl.rewards.base import decode_exactly
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
 from chatrl.rl.loss import (
@@ -58,6 +66,7 @@ from chatrl.rl.loss import (
     truncated_is_weights,
 )
 from chatrl.rl.stats import PooledStats
+from chatrl.sizes import EpisodePlan
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -72,7 +81,12 @@ class Experience:
     left-padded, answers masked after their first stop token), ``prompt_len`` ``P``,
     ``action_mask`` ``(B, A)``, ``sampler_logp`` ``(B, A)`` (the generator's log-prob of each
     sampled token), ``scores`` ``(B,)`` (the weighted reward, penalty included),
-    ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted) and ``metadata`` (``B`` dicts).
+    ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted) and ``metadata`` (``B`` dicts). For
+    multi-turn episodes (``--env``) the answer region ``A`` holds every assistant turn and the
+    observations between them: ``attention_mask`` is 1 on both, ``action_mask`` on the sampled
+    tokens only (every per-token quantity below is masked with it), ``turn_rewards`` ``(B, A)`` the
+    environment's rewards of the turns before the last at their last tokens (part of ``scores``),
+    ``turns`` ``(B,)`` the assistant turns, ``transcripts`` the ``B`` conversations.
 
     Filled by the experience pass, all ``(B, A)``: ``ref_logp``, ``logp`` (actor), ``entropy`` (nats),
     ``values`` (critic, V(state before token j); ``None`` without a critic); and by
@@ -89,6 +103,9 @@ class Experience:
     scores: torch.Tensor
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: list[dict] = field(default_factory=list)
+    turn_rewards: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
+    transcripts: list[list[dict]] = field(default_factory=list)
     ref_logp: torch.Tensor | None = None
     logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
@@ -134,10 +151,14 @@ def concat_rollouts(rollouts: list[Experience], pad_token_id: int) -> Experience
         return torch.cat([torch.nn.functional.pad(getattr(r, name), (0, a - getattr(r, name).shape[1]))
                           for r in rollouts])
 
+    episodes = rollouts[0].turns is not None
     return Experience(torch.cat(seqs), torch.cat(masks), p, right("action_mask"), right("sampler_logp"),
                       torch.cat([r.scores for r in rollouts]),
                       {k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in rollouts[0].reward_parts},
-                      [m for r in rollouts for m in r.metadata])
+                      [m for r in rollouts for m in r.metadata],
+                      right("turn_rewards") if episodes else None,
+                      torch.cat([r.turns for r in rollouts]) if episodes else None,
+                      [t for r in rollouts for t in r.transcripts])
 
 
 def answer_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -209,6 +230,9 @@ class Trainer:
             partitions are averaged in place, no gather).
         packing: ``--packing`` (packed forwards) and ``--max_tokens_per_micro_batch`` (micro-batches
             by token budget; needs a global loss aggregation and no PTX loss, :func:`chatrl.sizes.plan_ppo`).
+        env: the environment of multi-turn episodes (``--env``, :func:`chatrl.envs.load_environment`),
+            or ``None``: one answer per prompt. episodes: their sizes (:func:`chatrl.sizes.plan_episodes`).
+        max_prompt_len: ``--max_prompt_seq_len`` (an episode's opening turns are cut to it).
 
     Raises:
         ValueError: a critic given to an algorithm without one, or none to one that needs it.
@@ -217,7 +241,8 @@ class Trainer:
     def __init__(self, actor, reference, critic, reward: WeightedReward, generate: Generate, kl_controller,
                  settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
                  answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
-                 rank: int = 0, ema=None, temperature: float = 1.0, packing: PackingConfig | None = None):
+                 rank: int = 0, ema=None, temperature: float = 1.0, packing: PackingConfig | None = None,
+                 env: EnvFactory | None = None, episodes: EpisodePlan | None = None, max_prompt_len: int = 0):
         self.algorithm = settings.algorithm
         if (critic is not None) != self.algorithm.needs_critic:
             raise ValueError(f"--rl_algorithm {self.algorithm.name} {'needs' if self.algorithm.needs_critic else 'has no'}"
@@ -233,6 +258,9 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         packing = packing or PackingConfig()
         self.packed, self.max_tokens = packing.packing, packing.max_tokens_per_micro_batch
+        self.env, self.episodes, self.max_prompt_len = env, episodes, max_prompt_len
+        if (env is None) != (episodes is None):
+            raise ValueError("an environment needs its episode sizes, and episode sizes an environment")
         for m in (actor, critic, reference, ema):
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
@@ -249,13 +277,17 @@ class Trainer:
 
     @torch.no_grad()
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metadata: list[dict] | None,
-                step: int) -> Experience:
+                step: int, messages: list | None = None) -> Experience:
         """``N`` answers to each left-padded prompt ``(B, P)``, their sampler log-probs and rewards
-        (all ranks call it: generation and the reward failure check are collective).
+        (all ranks call it: generation and the reward failure check are collective). With an
+        environment, ``N`` episodes of each prompt row's ``messages`` (:meth:`rollout_episodes`).
 
         Raises:
             chatrl.rewards.RewardError: a reward source failed on some rank (on every rank).
+            chatrl.envs.EnvError: the environment failed on some rank (on every rank).
         """
+        if self.env is not None:
+            return self.rollout_episodes(messages, metadata, step, prompt_ids.device)
         ids, mask = repeat_prompts(prompt_ids, prompt_mask, self.n)
         meta = [dict(m) for m in (metadata or [{}] * len(prompt_ids)) for _ in range(self.n)]
         seq, sampler_logp = self.generate(ids, mask)
@@ -263,6 +295,14 @@ class Trainer:
         seq, full_mask, action_mask = self.mask_answers(ids, mask, seq)
         sampler_logp = core.where_valid(sampler_logp[:, :action_mask.shape[1]].float().to(seq.device), action_mask > 0)
         batch = reward_batch_from_tokens(self.tokenizer, seq, full_mask, action_mask, P, meta, step)
+        scores, parts = self._score(batch, step, seq.device)
+        if self.s.penalty_no_eos:
+            has_eos = core.has_stop_token(seq[:, P:], action_mask, self.stops)
+            scores = scores - self.s.penalty_no_eos * (~has_eos).float()
+        return Experience(seq, full_mask, P, action_mask, sampler_logp, scores, parts, meta)
+
+    def _score(self, batch: RewardBatch, step: int, device) -> tuple[torch.Tensor, dict]:
+        """The weighted reward of ``batch`` on every rank (a failure anywhere raises everywhere)."""
         got: dict = {}
 
         def score() -> torch.Tensor:
@@ -270,12 +310,48 @@ class Trainer:
             return got["total"]
 
         scores = score_on_all_ranks(score, rank=self.rank, world_size=self.world, all_reduce_sum=self.all_reduce_sum,
-                                    step=step, device=seq.device).to(seq.device).float()
+                                    step=step, device=device).to(device).float()
+        return scores, {k: v.detach().float().to(device) for k, v in got["parts"].items()}
+
+    @torch.no_grad()
+    def rollout_episodes(self, messages: list | None, metadata: list[dict] | None, step: int, device) -> Experience:
+        """``N`` multi-turn episodes of each prompt row (``docs/multi_turn.md``): generated turn by
+        turn inside one inference session of the hybrid engine (:func:`chatrl.envs.rollout.run_episodes`),
+        token-in/token-out, then scored: the environment's summed rewards and every other source
+        (the reward model and ``formatted_texts`` read the whole episode, functions the last
+        assistant turn), minus
+        ``--penalty_no_eos`` when the last turn did not end. A collective: every rank calls it.
+
+        Raises:
+            ValueError: prompt rows without their messages.
+            chatrl.envs.EnvError, chatrl.rewards.RewardError: as :meth:`rollout`.
+        """
+        if messages is None:
+            raise ValueError("episodes need each prompt row's messages (PromptCollator(with_metadata=True))")
+        meta = [dict(m) for m in (metadata or [{}] * len(messages))]
+        rows = [{"messages": [dict(m) for m in msgs], "metadata": dict(md), "seed": episode_seed(step, self.rank, i)}
+                for i, (msgs, md) in enumerate(zip(messages, meta, strict=True)) for _ in range(self.n)]
+        plan = self.episodes
+        session = getattr(self.generate, "session", None)
+        with session() if session is not None else contextlib.nullcontext():
+            ep = run_episodes(self.generate, self.tokenizer, self.env, rows, max_turns=plan.max_turns,
+                              max_prompt_len=self.max_prompt_len, max_total_tokens=plan.max_total_tokens,
+                              stop_ids=self.stops, device=device, all_reduce_sum=self.all_reduce_sum,
+                              rank=self.rank, step=step)
+        rmeta = [r["metadata"] for r in rows]
+        P = ep.prompt_len
+        prompts = [self.tokenizer.decode(ep.sequences[i, :P][ep.attention_mask[i, :P] > 0], skip_special_tokens=True)
+                   for i in range(len(rows))]
+        env_total = ep.final_rewards + ep.turn_rewards.sum(dim=1)
+        token_ids = [ep.sequences[i][ep.attention_mask[i] > 0].tolist() for i in range(len(rows))]
+        batch = RewardBatch(prompts, ep.answers, rmeta, step, ep.sequences, ep.attention_mask, P,
+                            [decode_exactly(self.tokenizer, ids) for ids in token_ids], token_ids,
+                            episode_rewards=env_total.tolist())
+        scores, parts = self._score(batch, step, device)
         if self.s.penalty_no_eos:
-            has_eos = core.has_stop_token(seq[:, P:], action_mask, self.stops)
-            scores = scores - self.s.penalty_no_eos * (~has_eos).float()
-        return Experience(seq, full_mask, P, action_mask, sampler_logp, scores,
-                          {k: v.detach().float().to(seq.device) for k, v in got["parts"].items()}, meta)
+            scores = scores - self.s.penalty_no_eos * (~ep.ended).float()
+        return Experience(ep.sequences, ep.attention_mask, P, ep.action_mask, ep.sampler_logp, scores, parts, rmeta,
+                          ep.turn_rewards, ep.turns, ep.messages)
 
     def policy_logits(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int) -> torch.Tensor:
@@ -363,7 +439,7 @@ class Trainer:
         exp.kl = core.masked_kl(exp.logp, exp.ref_logp, exp.action_mask, s.kl_estimator)
         kl_coef = self.kl_ctl.value if s.kl_in == "reward" else 0.0
         out = self.algorithm.estimate(AdvantageInputs(exp.scores, exp.action_mask, exp.kl, kl_coef, exp.values,
-                                                      self.n, self.all_reduce_sum), s)
+                                                      self.n, self.all_reduce_sum, exp.turn_rewards), s)
         exp.advantages, exp.returns, exp.rewards = out.advantages, out.returns, out.rewards
         if s.rollout_is_cap > 0:
             exp.is_weights = truncated_is_weights(exp.logp, exp.sampler_logp, exp.action_mask, s.rollout_is_cap)
@@ -502,7 +578,9 @@ def summarize(exp: Experience, kl_coef: float, stop_ids: list[int], stats: Poole
     over the global batch: means over rollouts (scores and their parts, the per-answer KL, answer
     length, the share of answers that end their turn), the scores' standard deviation, the entropy
     over action tokens, and with a critic ``explained_variance``, with per-token rewards
-    ``reward/mean``."""
+    ``reward/mean``. Multi-turn episodes: ``answer_len`` counts sampled tokens, ``eos_rate`` is the
+    share whose last turn ended, and ``episode/turns`` and ``episode/observation_len`` (tokens the
+    environment appended) are added."""
     m = exp.action_mask
     answer = exp.sequences[:, exp.prompt_len:]
     stats.add_mean("reward/score_mean", exp.scores)
@@ -512,9 +590,23 @@ def summarize(exp: Experience, kl_coef: float, stop_ids: list[int], stats: Poole
     stats.add_mean("kl", (exp.kl * m).sum(dim=1))
     stats.add_mean("entropy", exp.entropy, m)
     stats.add_mean("answer_len", m.sum(dim=1).float())
-    stats.add_mean("eos_rate", core.has_stop_token(answer, m, stop_ids).float())
+    if exp.turns is None:
+        stats.add_mean("eos_rate", core.has_stop_token(answer, m, stop_ids).float())
+    else:
+        stats.add_mean("eos_rate", last_token_stops(answer, m, stop_ids).float())
+        stats.add_mean("episode/turns", exp.turns.float())
+        stats.add_mean("episode/observation_len", (exp.attention_mask[:, exp.prompt_len:].float() - m.float()).sum(1))
     stats.add_weighted("kl_coef", float(kl_coef), 1.0)
     if exp.rewards is not None:
         stats.add_mean("reward/mean", (exp.rewards * m).sum(dim=1))
     if exp.values is not None:
         stats.add_explained_variance("explained_variance", exp.values, exp.returns, m)
+
+
+def last_token_stops(answer: torch.Tensor, action_mask: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """``(B,)`` bool: the last action token of each row (``answer``, ``action_mask`` ``(B, A)``) is a
+    stop token: an episode's last turn ended."""
+    positions = torch.arange(answer.shape[1], device=answer.device)
+    last = torch.where(action_mask > 0, positions, -1).amax(dim=1)
+    tok = answer.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return (last >= 0) & torch.isin(tok, torch.as_tensor(stop_ids, device=answer.device))

@@ -62,8 +62,24 @@ def test_which_models_the_reward_and_the_critic_need():
     assert s.reward_model_path() == "rm" and s.critic_source() == ("c", True)  # both, summed
     with pytest.raises(UsageError, match="--critic_model_name_or_path"):
         settings().critic_source()
-    with pytest.raises(UsageError, match="--reward_fn, --reward_url or --reward_model_name_or_path"):
+    with pytest.raises(UsageError, match="--reward_fn, --reward_url, --env or --reward_model_name_or_path"):
         settings("--rl_algorithm", "rloo").reward_model_path()
+
+
+def test_an_environment_gives_a_reward_and_sizes_its_episodes():
+    s = settings("--env", "calculator", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "8")
+    assert s.reward_model_path() is None and s.critic_source() == ("a", False)  # PPO: a critic from the actor
+    e = s.episodes()
+    assert (e.max_turns, e.max_total_tokens) == (4, 32 + 7 * 8)  # an observation as long as a turn
+    e = settings("--env", "calculator", "--max_turns", "2", "--max_total_tokens", "300").episodes()
+    assert (e.max_turns, e.max_total_tokens) == (2, 300)
+    assert settings().episodes() is None
+    with pytest.raises(UsageError, match="--max_turns needs --env"):
+        settings("--reward_fn", "exact_match", "--max_turns", "3").episodes()
+    with pytest.raises(UsageError, match="--max_turns must be >= 1"):
+        settings("--env", "calculator", "--max_turns", "0").episodes()
+    with pytest.raises(UsageError, match="leaves no room"):
+        settings("--env", "calculator", "--max_total_tokens", "256").episodes()
 
 
 def test_plan_counts_answers_and_no_critic_steps():

@@ -32,7 +32,7 @@ def test_human_assistant_convention(gpt2):
     assert format_prompt(gpt2, msgs) == "Be kind.\n\nHuman: Hi\n\nAssistant: Hello.\n\nHuman: Bye\n\nAssistant:"
     assert format_prompt(gpt2, [USER]) == "\n\nHuman: hi\n\nAssistant:"
     assert format_answer(gpt2, "  Hello there \n") == " Hello there"
-    with pytest.raises(ValueError, match="must end with a user turn"):
+    with pytest.raises(ValueError, match="must end with a user or tool turn"):
         format_prompt(gpt2, msgs[:3])
     with pytest.raises(ValueError, match="at least one message"):
         format_prompt(gpt2, [])

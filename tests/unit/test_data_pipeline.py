@@ -93,9 +93,10 @@ def test_truncation_keeps_answer_end_and_counts_too_long(gpt2, tmp_path):
 
 
 def test_example_rules_keep_bos_and_detect_identical():
-    assert sft_example([1, 7, 3, 4, 5], [8, 9, 2], 5) == {"input_ids": [4, 5, 8, 9, 2], "prompt_len": 2}
+    assert sft_example([1, 7, 3, 4, 5], [8, 9, 2], 5) == {"input_ids": [4, 5, 8, 9, 2], "prompt_len": 2,
+                                                          "trained_spans": [2, 5]}
     assert sft_example([1, 7, 3, 4, 5], [8, 9, 2], 5, bos_token_id=1) == {"input_ids": [1, 5, 8, 9, 2],
-                                                                            "prompt_len": 2}
+                                                                            "prompt_len": 2, "trained_spans": [2, 5]}
     assert sft_example([1, 7], [8, 9, 2], 3) == "too_long"
     assert pair_example([3, 4, 5], [8, 2], [8, 9, 2], 5) == {
         "chosen_input_ids": [4, 5, 8, 2], "rejected_input_ids": [4, 5, 8, 9, 2], "prompt_len": 2}

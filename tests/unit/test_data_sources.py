@@ -188,7 +188,7 @@ def test_sharegpt_sft_and_prompt_only_variants(tmp_path):
     assert src.kind == "sft"
     assert src.samples == [Sample(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}),
-                                  "Goodbye.")]
+                                  "Goodbye.", conversation=True)]
     path = tmp_path / "p.jsonl"
     path.write_text('"First prompt"\n{"text": "Second prompt"}\n""\n')
     report = SkipReport()

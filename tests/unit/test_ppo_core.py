@@ -496,16 +496,34 @@ def test_fixed_kl_controller():
         core.FixedKLController(-1.0)
 
 
-def test_gae_a_masked_hole_ends_the_episode():
-    # Action masks are prefixes; should one ever have a hole, nothing after it leaks backwards.
+def test_gae_skips_a_masked_hole_inside_the_answer():
+    # A multi-turn episode: token 2 is an observation (masked) between two assistant turns. The
+    # bootstrap of turn 1's last token goes to turn 2's first token, as if the hole were not there.
+    # By hand (gamma 1, lam 0.5): A4 = 2 - 7 = -5; A3 = (1 + 7 - 5) + 0.5 A4 = 0.5;
+    # A1 = (3 + 5 - 2) + 0.5 A3 = 6.25; A0 = (0 + 2 - 1) + 0.5 A1 = 4.125.
     values = torch.tensor([[1.0, 2.0, GARBAGE, 5.0, 7.0]])
     rewards = torch.tensor([[0.0, 3.0, GARBAGE, 1.0, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]])
     adv, ret = core.gae(values, rewards, mask, gamma=1.0, lam=0.5)
-    head, _ = core.gae(values[:, :2], rewards[:, :2], mask[:, :2], gamma=1.0, lam=0.5)
-    tail, _ = core.gae(values[:, 3:], rewards[:, 3:], mask[:, 3:], gamma=1.0, lam=0.5)
-    assert torch.equal(adv, torch.cat([head, torch.zeros(1, 1), tail], dim=1))
-    assert ret[0, 2].item() == 0.0
+    assert torch.equal(adv, torch.tensor([[4.125, 6.25, 0.0, 0.5, -5.0]]))
+    assert torch.equal(ret, torch.tensor([[5.125, 8.25, 0.0, 5.5, 2.0]]))
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.7)])
+def test_gae_with_holes_equals_gae_of_the_compacted_episode(gamma, lam):
+    # Invariance: removing the masked holes (observation tokens) changes no advantage or return.
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0], [0, 1, 1, 0, 1, 0, 0, 0, 0, 0]], dtype=torch.float64)
+    values = fill_masked(torch.randn(2, 10, generator=gen, dtype=torch.float64), mask, GARBAGE)
+    rewards = fill_masked(torch.randn(2, 10, generator=gen, dtype=torch.float64), mask, -GARBAGE)
+    adv, ret = core.gae(values, rewards, mask, gamma=gamma, lam=lam)
+    for b in range(2):
+        keep = mask[b] > 0
+        ref_adv, ref_ret = gae_reference(values[b][keep][None], rewards[b][keep][None], [int(keep.sum())],
+                                         gamma, lam)
+        assert torch.allclose(adv[b][keep], ref_adv[0], atol=1e-12)
+        assert torch.allclose(ret[b][keep], ref_ret[0], atol=1e-12)
+        assert torch.equal(adv[b][~keep], torch.zeros(int((~keep).sum()), dtype=torch.float64))
 
 
 def test_logprobs_and_entropy_in_one_pass_equal_the_separate_functions():

@@ -152,6 +152,8 @@ def test_one_definition_of_an_ended_answer_with_chatml():
     captured = {}
 
     class Hybrid:  # what make_generate asks of the hybrid engine
+        in_inference = False
+
         def __init__(self, *a, **kw):
             pass
 
