@@ -62,11 +62,15 @@ def pairs(seed=0, vocab=1000):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mask_prompt", [True, False])
-def test_step1_sft_loss_packed_equals_padded(family_models, family, mask_prompt):
+@pytest.mark.parametrize("mask_prompt, turns", [(True, False), (False, False), (True, True)])
+def test_step1_sft_loss_packed_equals_padded(family_models, family, mask_prompt, turns):
+    """``turns``: two rows are conversations whose every assistant turn is trained (``trained_spans``
+    with an untrained observation between the turns)."""
     tok = load_tokenizer(str(family_models[family]))
     model = load_causal_lm(str(family_models[family]), tok).eval()
     batch = examples([9, 4, 12, 6, 2], [3, 1, 5, 6, 1])
+    if turns:
+        batch[0]["trained_spans"], batch[2]["trained_spans"] = [3, 5, 7, 9], [5, 7, 9, 12]
     out = []
     for collate in (SFTCollator(tok.pad_token_id, mask_prompt), PackedSFTCollator(tok.pad_token_id, mask_prompt, 14)):
         b = collate(batch)
@@ -77,6 +81,9 @@ def test_step1_sft_loss_packed_equals_padded(family_models, family, mask_prompt)
     (s0, n0, g0, padded), (s1, n1, g1, packed) = out
     assert packed["input_ids"].shape[0] < 5 and packed["packed"].tokens < padded["input_ids"].numel()
     assert n0 == n1 == int((padded["labels"][:, 1:] != IGNORE_INDEX).sum()) > 0
+    if turns:  # the observation tokens between two trained turns carry no label in either layout
+        assert (padded["labels"][0, 5:7] == IGNORE_INDEX).all() and (padded["labels"][2, 7:9] == IGNORE_INDEX).all()
+        assert n0 == 4 + 3 + 5 + 0 + 1  # the trained tokens of the five rows
     close(s1, s0, 1e-4)  # a sum of ~30 token losses of ~7 nats
     close(g1, g0)
     # each example's NLL: the padded row's against the packed sequence's tokens
