@@ -195,6 +195,9 @@ class HybridEngineConfig:
     release_inference_cache: bool = setting(False, "free the inference copy after each rollout (ZeRO-3 memory back "
                                                    "for training; rebuilt at the next rollout)")
     unpin_actor_parameters: bool = setting(False, "accepted for DeepSpeed-Chat compatibility and ignored")
+    debug_stale_weights: bool = setting(False, "testing: never refresh the inference copy once built (its version "
+                                               "still follows the actor), as a sync that silently fails would; the "
+                                               "weight-version check must stop the run")
 
 
 @dataclass
@@ -263,7 +266,8 @@ class PPOConfig:
     loss_agg_mode: str | None = setting(None, "how the policy loss is averaged over the optimizer step: "
                                               "micro-batch-token-mean (each micro-batch's token mean, DeepSpeed-Chat's) "
                                               "or a global count, invariant to micro-batches and ranks (unset: the "
-                                              "algorithm's: micro-batch-token-mean for ppo, token-mean otherwise)",
+                                              "algorithm's, token-mean; PPO's critic follows: a token mean of the "
+                                              "optimizer step, or of each micro-batch with micro-batch-token-mean)",
                                         choices=LOSS_AGG_MODES, type=str)
     cliprange_low: float | None = setting(None, "lower ratio clip epsilon (unset: --cliprange)", type=float)
     cliprange_high: float | None = setting(None, "upper ratio clip epsilon (unset: --cliprange_low; larger: DAPO's "
@@ -342,6 +346,21 @@ class CheckpointConfig:
                                            "checkpoint) after this many in a row (0: never stop)", unit="steps")
     debug_nonfinite_steps: list = setting([], "testing: make the loss (step 3: the reward) NaN at these steps (tests the non-finite "
                                               "guard)", nargs="*", type=int)
+
+
+@dataclass
+class CertificateConfig:
+    """The run's correctness certificate (OUTPUT_DIR/certificate.json) and step 3's rollout records
+    (docs/certificate.md)."""
+
+    disable_loss_scale_probe: bool = setting(False, "skip the loss-scale check of the first optimizer step (it keeps a "
+                                                    "copy of the initial weights on rank 0 until then)")
+    logp_diff_bound: float | None = setting(None, "step 3: bound on the largest per-token sampler/trainer log-prob gap "
+                                                  "of the run (unset: the dtype's, docs/certificate.md)", unit="nats",
+                                            type=float)
+    save_rollouts: int = setting(0, "step 3: write every N-th step's batch (tokens, masks, log-probs, rewards, "
+                                    "advantages, ratios, clip flags, weight version) to OUTPUT_DIR/rollouts, for "
+                                    "python -m chatrl.inspect and chatrl.replay (0: off)", unit="steps")
 
 
 # ------------------------------------------------------------------------------------- generation
@@ -519,6 +538,7 @@ class TrainingSettings:
     zero: ZeroConfig = uses(ZeroConfig, only=("zero_stage", "offload", "local_rank"))
     log: LogConfig = uses(LogConfig)
     ckpt: CheckpointConfig = uses(CheckpointConfig)
+    certificate: CertificateConfig = uses(CertificateConfig, only=("disable_loss_scale_probe",))
 
 
 def from_args(block, args: argparse.Namespace, prefix: str = ""):

@@ -499,11 +499,17 @@ def critic_loss(
     returns: torch.Tensor,
     action_mask: torch.Tensor,
     clip_value: float | None = 0.2,
+    normalizer: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss, a masked mean over all action tokens of the batch.
+    """Clipped value loss: a masked mean over the batch's action tokens, or the batch's share of an
+    optimizer step's token mean.
 
     ``v_clip = old_values + clip(values - old_values, -eps, eps)``;
-    ``loss_t = 0.5 * max((values - R)^2, (v_clip - R)^2)``; ``loss = masked_mean(loss_t)``.
+    ``loss_t = 0.5 * max((values - R)^2, (v_clip - R)^2)``; ``loss = masked_mean(loss_t)``, or with
+    ``normalizer`` ``loss = masked_sum(loss_t) / normalizer``: given the action-token count of the
+    whole optimizer step (every micro-batch, every rank: :func:`chatrl.rl.loss.step_normalizers`),
+    the micro-batches' gradients sum to the gradient of the step's token mean, whatever the split
+    (the policy loss's ``token-mean``).
 
     Args:
         values: ``(B, A)`` current critic values (with grad).
@@ -512,6 +518,7 @@ def critic_loss(
         action_mask: ``(B, A)``, non-zero on actions. Masked positions of every input are ignored.
         clip_value: epsilon > 0 in the units of the value (default 0.2); ``None`` disables
             clipping (plain 0.5 * squared error).
+        normalizer: > 0, the token count the sum is divided by; ``None``: this batch's own count.
 
     Returns:
         ``(loss, stats)``: 0-dim loss (0 when no token is valid); ``stats["value_clip_frac"]``,
@@ -519,7 +526,7 @@ def critic_loss(
         gradient is then 0).
 
     Raises:
-        ValueError: shape mismatch or ``clip_value <= 0``.
+        ValueError: shape mismatch, ``clip_value <= 0`` or ``normalizer <= 0``.
 
     Source: value-function clipping of the OpenAI baselines PPO2 implementation, described in
     Huang et al. 2022 ("The 37 implementation details of PPO", detail 9); squared-error value loss
@@ -531,6 +538,8 @@ def critic_loss(
     )
     if clip_value is not None and not clip_value > 0:
         raise ValueError(f"critic_loss: clip_value must be > 0 or None, got {clip_value}")
+    if normalizer is not None and not float(normalizer) > 0:
+        raise ValueError(f"critic_loss: normalizer must be > 0, got {float(normalizer)}")
     valid = valid_mask(action_mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(valid, values, zero)
@@ -541,7 +550,12 @@ def critic_loss(
         clipped = unclipped
     else:
         clipped = (old + (v - old).clamp(-clip_value, clip_value) - ret) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), valid)
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
+    if normalizer is None:
+        loss = masked_mean(per_token, valid)
+    else:
+        total = masked_sum(per_token, valid)
+        loss = total / torch.as_tensor(normalizer, dtype=total.dtype, device=total.device)
     with torch.no_grad():
         clip_frac = masked_mean((clipped > unclipped).to(unclipped.dtype), valid)
     return loss, {"value_clip_frac": clip_frac.detach()}

@@ -6,14 +6,15 @@ then the HF-format save.
 
 Model: :class:`chatrl.reward_model.RewardModel`, a causal-LM backbone with a bias-free
 scalar head; a sequence's score is the head's value at its last real token (from the mask).
-Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of a micro-batch
-(InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one), averaged over
-micro-batches and ranks by DeepSpeed.
+Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of an optimizer step
+(InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one): each micro-batch adds
+its pairs' sum divided by the step's pair count over every micro-batch and rank (times
+accumulation × ranks, which DeepSpeed divides by), so every pair weighs the same whatever the split.
 
 Metrics (``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard with ``--enable_tensorboard``):
 
 ============================  ===============================================================
-``train/loss``                mean pairwise loss of the optimizer step, over ranks
+``train/loss``                mean pairwise loss over the optimizer step's pairs, all ranks
 ``train/accuracy``            share of the step's pairs with ``r_chosen > r_rejected``
 ``train/lr``                  learning rate after the step
 ``train/pairs_per_s``         training pairs per second since the start, all ranks
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
+from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
 from chatrl.models import check_context_window, load_tokenizer
@@ -114,6 +116,18 @@ def describe_eval(m: dict) -> str:
             f"({int(m['eval/pairs'])} pairs)")
 
 
+def one_batch_loss(dataset, collate):
+    """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
+    probe's reference): every rank's ``sample_index`` collated together, the mean pairwise loss."""
+
+    def loss(model, parts: list) -> torch.Tensor:
+        b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
+        chosen, rejected = split_pairs(model(b["input_ids"], b["attention_mask"]).end_scores)
+        return pairwise_loss(chosen, rejected, b.get("margin"))
+
+    return loss
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run step 2; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
     return run(argv)["metrics"]
@@ -140,8 +154,12 @@ def run(argv: list[str] | None = None) -> dict:
                       s.optim.num_warmup_steps, what="pairs")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     model = load_trainable("reward", tokenizer, s.model, s.lora, require_head=False).model
+    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
+                                 resume_path(s.ckpt, s.log.output_dir) is not None)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
+    cert = Certificate(s.log.output_dir, "step 2 (reward model)")
+    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
 
     tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
@@ -149,10 +167,12 @@ def run(argv: list[str] | None = None) -> dict:
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
+                           extra_state={"data_accounting": accounting})
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
+        cert.restore(resumed.get("certificate"))
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
@@ -165,30 +185,36 @@ def run(argv: list[str] | None = None) -> dict:
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
     t0, first_step = time.time(), step
+    scale_base = info.world_size * batch.gradient_accumulation_steps
     while step < total_steps:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
-            stats = torch.zeros(3, dtype=torch.float64)  # loss sum over micro-batches, correct, pairs
-            for _ in range(batch.gradient_accumulation_steps):
-                m = next(it)
+            stats = torch.zeros(3, dtype=torch.float64)  # loss summed over pairs, correct, pairs
+            micro = [next(it) for _ in range(batch.gradient_accumulation_steps)]
+            n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
+            for m in micro:
+                accounting.record(step // steps_per_epoch, m)
                 _, scores = engine(m["input_ids"].to(info.device), m["attention_mask"].to(info.device))
                 chosen, rejected = split_pairs(scores)
                 margin = m.get("margin")
                 loss = pairwise_loss(chosen, rejected, None if margin is None else margin.to(info.device))
                 if step + 1 in s.ckpt.debug_nonfinite_steps:
                     loss = loss * float("nan")
-                engine.backward(loss)
+                engine.backward(loss * (chosen.numel() * scale_base / max(n_global, 1.0)))
                 engine.step()
-                stats += torch.tensor([loss.item(), (chosen > rejected).sum().item(), chosen.numel()],
+                stats += torch.tensor([loss.item() * chosen.numel(), (chosen > rejected).sum().item(), chosen.numel()],
                                       dtype=torch.float64)
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial}
+            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                cert.add(probe.check(engine.get_global_grad_norm(), [m["sample_index"] for m in micro],
+                                     one_batch_loss(data.train, collate)))
+            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": cert.state()}
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
-                tracker.log({"train/loss": loss_sum / (batch.gradient_accumulation_steps * info.world_size),
+                tracker.log({"train/loss": loss_sum / pairs,
                              "train/accuracy": correct / pairs, "train/lr": engine.lr_scheduler.get_last_lr()[0],
                              "train/skipped_steps": ckpt.skipped, "train/pairs_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
@@ -203,6 +229,10 @@ def run(argv: list[str] | None = None) -> dict:
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine}
+    cert.add(accounting.finish(step))
+    if "loss_scale" not in cert.properties:
+        cert.add(probe.property_unchecked())
+    cert.write()
 
     tracker.close()
     save_reward_model(engine.module, tokenizer, s.log.output_dir)

@@ -45,6 +45,7 @@ class Step3Settings:
     hybrid: config.HybridEngineConfig = uses(config.HybridEngineConfig)
     log: config.LogConfig = uses(config.LogConfig)
     ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
+    certificate: config.CertificateConfig = uses(config.CertificateConfig)
 
     @property
     def algorithm(self) -> Algorithm:

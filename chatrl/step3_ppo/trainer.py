@@ -43,6 +43,7 @@ from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
 from chatrl.rl.loss import logp_diff, loss_scale, policy_loss, step_normalizers, truncated_is_weights
 from chatrl.rl.stats import PooledStats
+from chatrl.weight_version import WeightVersionCheck
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -57,7 +58,10 @@ class Experience:
     left-padded, answers masked after their first stop token), ``prompt_len`` ``P``,
     ``action_mask`` ``(B, A)``, ``sampler_logp`` ``(B, A)`` (the generator's log-prob of each
     sampled token), ``scores`` ``(B,)`` (the weighted reward, penalty included),
-    ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted) and ``metadata`` (``B`` dicts).
+    ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted), ``metadata`` (``B`` dicts), and the
+    stamp of the weights that generated each rollout (:mod:`chatrl.weight_version`):
+    ``weight_version`` ``(B,)`` int64 and ``weight_checksum`` ``(B,)`` float64 (``None`` without a
+    stamp source).
 
     Filled by the experience pass, all ``(B, A)``: ``ref_logp``, ``logp`` (actor), ``entropy`` (nats),
     ``values`` (critic, V(state before token j); ``None`` without a critic); and by
@@ -74,6 +78,8 @@ class Experience:
     scores: torch.Tensor
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: list[dict] = field(default_factory=list)
+    weight_version: torch.Tensor | None = None
+    weight_checksum: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
@@ -86,6 +92,15 @@ class Experience:
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
+
+    def to(self, device) -> Experience:
+        """A copy with every tensor on ``device`` (``"cpu"``: to pickle or save it)."""
+        def moved(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device)
+            return {k: t.to(device) for k, t in v.items()} if isinstance(v, dict) else v
+
+        return Experience(**{f.name: moved(getattr(self, f.name)) for f in fields(self)})
 
     def rows(self, idx: slice) -> Experience:
         """The rollouts ``idx`` (a slice of the batch dimension) as a new Experience (tensors are views)."""
@@ -101,7 +116,8 @@ class Experience:
 
 def concat_rollouts(rollouts: list[Experience], pad_token_id: int) -> Experience:
     """One buffer from rollouts of different prompt widths ``P`` (left-padded to the widest) and answer
-    widths ``A`` (right-padded); per-token ``(B, A)`` tensors are right-padded with 0. A single
+    widths ``A`` (right-padded); every per-token ``(B, A)`` tensor is right-padded with 0 (the action
+    mask too, so padding is never an action), per-rollout ``(B,)`` ones are concatenated. A single
     rollout is returned as it is."""
     if len(rollouts) == 1:
         return rollouts[0]
@@ -115,14 +131,19 @@ def concat_rollouts(rollouts: list[Experience], pad_token_id: int) -> Experience
                               dim=1))
         masks.append(torch.cat([m.new_zeros(len(m), p - rp), m, m.new_zeros(len(m), a - ra)], dim=1))
 
-    def right(name: str) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(getattr(r, name), (0, a - getattr(r, name).shape[1]))
-                          for r in rollouts])
+    def joined(name: str):
+        parts = [getattr(r, name) for r in rollouts]
+        if parts[0] is None:
+            return None
+        if parts[0].dim() == 2:  # per token (B, A_r)
+            return torch.cat([torch.nn.functional.pad(t, (0, a - t.shape[1])) for t in parts])
+        return torch.cat(parts)
 
-    return Experience(torch.cat(seqs), torch.cat(masks), p, right("action_mask"), right("sampler_logp"),
-                      torch.cat([r.scores for r in rollouts]),
-                      {k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in rollouts[0].reward_parts},
-                      [m for r in rollouts for m in r.metadata])
+    skip = {"sequences", "attention_mask", "prompt_len", "reward_parts", "metadata"}
+    per_row = {f.name: joined(f.name) for f in fields(Experience) if f.name not in skip}
+    return Experience(torch.cat(seqs), torch.cat(masks), p,
+                      reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in rollouts[0].reward_parts},
+                      metadata=[m for r in rollouts for m in r.metadata], **per_row)
 
 
 def answer_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -164,6 +185,17 @@ class Trainer:
             from but not what is trained (``docs/critic_free.md``, "Temperature").
         ema: optional EMA copy of the actor, averaged after every actor optimizer step (ZeRO-3
             partitions are averaged in place, no gather).
+        weights: the source of weight stamps (:class:`chatrl.hybrid_engine.HybridEngine`:
+            ``sampler_stamp()``, the weights of the last generation, and ``training_stamp()``, the
+            actor's now); every rollout carries the first, and :meth:`make_experience` checks them
+            against the second (:class:`chatrl.weight_version.WeightVersionCheck`, ``weight_check``).
+            ``None``: no check.
+
+    Attributes:
+        trace: set it to a dict before :meth:`learn` and learn fills it: ``ratio`` and ``clip``
+            ``(epochs, R, A)`` per token (:func:`chatrl.rl.loss.policy_loss`'s ``token_stats``),
+            ``actor_grad_norm`` and ``critic_grad_norm`` (one per optimizer step, DeepSpeed's
+            ``get_global_grad_norm``); the rollout records and the loss-scale probe read it.
 
     Raises:
         ValueError: a critic given to an algorithm without one, or none to one that needs it.
@@ -172,7 +204,7 @@ class Trainer:
     def __init__(self, actor, reference, critic, reward: WeightedReward, generate: Generate, kl_controller,
                  settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
                  answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
-                 rank: int = 0, ema=None, temperature: float = 1.0):
+                 rank: int = 0, ema=None, temperature: float = 1.0, weights=None):
         self.algorithm = settings.algorithm
         if (critic is not None) != self.algorithm.needs_critic:
             raise ValueError(f"--rl_algorithm {self.algorithm.name} {'needs' if self.algorithm.needs_critic else 'has no'}"
@@ -181,11 +213,16 @@ class Trainer:
         self.reward, self.generate, self.kl_ctl, self.s, self.tokenizer = reward, generate, kl_controller, settings, tokenizer
         self.mb, self.n = settings.per_device_training_batch_size, settings.samples_per_prompt
         self.mode = settings.loss_aggregation
+        # the critic's value loss: DeepSpeed-Chat's per-micro-batch mean beside its policy loss, else the step's token mean
+        self.critic_mode = "micro-batch-token-mean" if self.mode == "micro-batch-token-mean" else "token-mean"
         self.clip_low, self.clip_high = settings.clip_bounds
         self.stops, self.pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
         self.gas, self.world, self.answer_len = gradient_accumulation_steps, world_size, answer_len
         self.all_reduce_sum, self.all_reduce_max, self.rank = all_reduce_sum, all_reduce_max, rank
         self.temperature = temperature if temperature > 0 else 1.0
+        self.weights, self.weight_check = weights, WeightVersionCheck()
+        self.trace: dict | None = None
+        self._step = 0
         for m in (actor, critic, reference, ema):
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
@@ -212,6 +249,8 @@ class Trainer:
         ids, mask = repeat_prompts(prompt_ids, prompt_mask, self.n)
         meta = [dict(m) for m in (metadata or [{}] * len(prompt_ids)) for _ in range(self.n)]
         seq, sampler_logp = self.generate(ids, mask)
+        self._step = step
+        stamp = self.weights.sampler_stamp() if self.weights is not None else None
         P = ids.shape[1]
         seq, full_mask, action_mask = self.mask_answers(ids, mask, seq)
         sampler_logp = core.where_valid(sampler_logp[:, :action_mask.shape[1]].float().to(seq.device), action_mask > 0)
@@ -227,8 +266,11 @@ class Trainer:
         if self.s.penalty_no_eos:
             has_eos = core.has_stop_token(seq[:, P:], action_mask, self.stops)
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
+        stamps = ((None, None) if stamp is None else
+                  (torch.full((len(seq),), stamp.version, dtype=torch.long, device=seq.device),
+                   torch.full((len(seq),), stamp.checksum, dtype=torch.float64, device=seq.device)))
         return Experience(seq, full_mask, P, action_mask, sampler_logp, scores,
-                          {k: v.detach().float().to(seq.device) for k, v in got["parts"].items()}, meta)
+                          {k: v.detach().float().to(seq.device) for k, v in got["parts"].items()}, meta, *stamps)
 
     def policy_logits(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int) -> torch.Tensor:
@@ -254,6 +296,9 @@ class Trainer:
         ``stats``. A collective: every rank calls it.
         """
         exp = concat_rollouts(rollouts, self.pad)
+        if self.weights is not None and exp.weight_version is not None:  # before anything learns from them
+            self.weight_check.check(exp.weight_version, exp.weight_checksum, self.weights.training_stamp(), self._step,
+                                    self.all_reduce_sum, self.all_reduce_max)
         deferred = self.first_pass_is_experience(len(exp))
         parts: dict[str, list] = {k: [] for k in ("logp", "entropy", "values", "ref_logp")}
         P = exp.prompt_len
@@ -292,20 +337,32 @@ class Trainer:
     def learn(self, exp: Experience, stats: PooledStats, ptx_batches=None) -> dict:
         """``--ppo_epochs`` passes of micro-batches over the buffer (module docstring, step 3).
 
-        Adds to ``stats``: the losses (``actor_loss`` is the mean loss of an optimizer step, all ranks'
-        micro-batches, :func:`chatrl.rl.loss.loss_scale`; ``critic_loss``, ``ptx_loss``: the mean over
-        micro-steps) and the token statistics of the policy and value losses (clip fractions,
+        Adds to ``stats``: the losses (``actor_loss`` and ``critic_loss`` are the mean loss of an
+        optimizer step, all ranks' micro-batches, :func:`chatrl.rl.loss.loss_scale`; ``ptx_loss``: the
+        mean over micro-steps) and the token statistics of the policy and value losses (clip fractions,
         approximate KL, ratio, ...) pooled over every token of every micro-batch and rank. Returns the
         agreement figures when the first training pass made the experience, else ``{}``.
         """
         norms = step_normalizers(exp.action_mask, self.mb, self.gas, self.mode, constant=float(self.answer_len),
                                  all_reduce_sum=self.all_reduce_sum)
         scale = loss_scale(self.mode, self.gas, self.world)
+        critic_norms, critic_scale = None, 1.0
+        if self.critic is not None:  # the value loss: a token mean of the optimizer step (or of the micro-batch)
+            critic_mode = self.critic_mode
+            critic_norms = (norms if critic_mode == self.mode else
+                            step_normalizers(exp.action_mask, self.mb, self.gas, critic_mode,
+                                             all_reduce_sum=self.all_reduce_sum))
+            critic_scale = loss_scale(critic_mode, self.gas, self.world)
         ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
         losses: dict[str, float] = {}
         agreement: dict = {}
         n = 0
-        for _ in range(self.s.ppo_epochs):
+        if self.trace is not None:
+            self.trace.update(ratio=[], clip=[], actor_grad_norm=[], critic_grad_norm=[])
+        for epoch in range(self.s.ppo_epochs):
+            if self.trace is not None:
+                self.trace["ratio"].append(torch.ones(exp.action_mask.shape, dtype=torch.float32))
+                self.trace["clip"].append(torch.zeros(exp.action_mask.shape, dtype=torch.int8))
             for j, i in enumerate(range(0, len(exp), self.mb)):
                 logp = values = None
                 if exp.logp is None:  # the experience's actor (and critic) passes are this first step's forwards
@@ -314,9 +371,14 @@ class Trainer:
                 else:
                     part = exp.rows(slice(i, i + self.mb))
                 tokens = float(core.valid_mask(part.action_mask).sum())
-                step_stats = self.train_actor(part, norms[j], scale, logp)
+                per_token: dict | None = {} if self.trace is not None else None
+                step_stats = self.train_actor(part, norms[j], scale, logp, per_token)
+                if per_token:
+                    a = per_token["ratio"].shape[1]
+                    self.trace["ratio"][epoch][i:i + self.mb, :a] = per_token["ratio"].float().cpu()
+                    self.trace["clip"][epoch][i:i + self.mb, :a] = per_token["clip"].cpu()
                 if self.critic is not None:
-                    step_stats.update(self.train_critic(part, values))
+                    step_stats.update(self.train_critic(part, values, critic_norms[j], critic_scale))
                 if ptx_iter is not None:
                     step_stats.update(self.train_ptx(next(ptx_iter)))
                 for k, v in step_stats.items():
@@ -325,9 +387,35 @@ class Trainer:
                     else:  # a mean over the micro-batch's action tokens
                         stats.add_weighted(k, float(v), tokens)
                 n += 1
+        factor = {"actor_loss": scale, "critic_loss": critic_scale}
         for k, total in losses.items():  # one figure per rank, averaged over ranks (equal micro-steps)
-            stats.add_weighted(k, total * (scale if k == "actor_loss" else 1.0) / max(n, 1), 1.0)
+            stats.add_weighted(k, total * factor.get(k, 1.0) / max(n, 1), 1.0)
         return agreement
+
+    # --------------------------------------------------------------- the loss-scale probe's reference
+    def one_batch_actor_loss(self, model, parts: list[Experience]) -> torch.Tensor:
+        """The policy loss of a global batch as ONE micro-batch on one rank, by its definition
+        (:class:`chatrl.certificate.LossScaleProbe`): ``parts`` (every rank's rows of the first actor
+        optimizer step, with their experience) joined, ``model``'s log-probs at the sampling
+        temperature, the clipped loss over all their action tokens with the aggregation's own count
+        (no accumulation, no rank, no DeepSpeed factor)."""
+        exp = concat_rollouts(list(parts), self.pad)
+        logp = logprobs_from_logits(self.policy_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len),
+                                    exp.sequences[:, exp.prompt_len:])
+        norm = step_normalizers(exp.action_mask, len(exp), 1, self.mode, constant=float(self.answer_len))[0]
+        in_loss = self.s.kl_in == "loss"
+        loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, loss_agg_mode=self.mode,
+                              cliprange_low=self.clip_low, cliprange_high=self.clip_high, is_weights=exp.is_weights,
+                              ref_logp=exp.ref_logp if in_loss else None,
+                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
+        return loss
+
+    def one_batch_critic_loss(self, model, parts: list[Experience]) -> torch.Tensor:
+        """The value loss of a global batch as ONE micro-batch on one rank: the token mean over all
+        action tokens of ``parts`` joined (see :meth:`one_batch_actor_loss`)."""
+        exp = concat_rollouts(list(parts), self.pad)
+        values = answer_values(model, exp.sequences, exp.attention_mask, exp.prompt_len)
+        return core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value)[0]
 
     def first_pass(self, exp: Experience, stats: PooledStats) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """The first training forwards on a one-micro-batch buffer whose experience passes were deferred.
@@ -349,11 +437,12 @@ class Trainer:
         return logp, values, self.finish_experience(exp, stats)
 
     def train_actor(self, exp: Experience, normalizer: torch.Tensor, scale: float,
-                    logp: torch.Tensor | None = None) -> dict:
+                    logp: torch.Tensor | None = None, token_stats: dict | None = None) -> dict:
         """One micro-step of the actor on ``exp`` (one micro-batch): the clipped policy loss
         (:func:`chatrl.rl.loss.policy_loss`, with the KL loss term under ``--kl_in loss``) divided by
         ``normalizer``, times ``scale`` for DeepSpeed. ``logp`` ``(B, A)``: the actor's log-probs
-        from a forward already run on it (:meth:`first_pass`), else computed here."""
+        from a forward already run on it (:meth:`first_pass`), else computed here. ``token_stats``:
+        filled with the per-token ratio and clip flags when given."""
         if logp is None:
             logits = self.policy_logits(self.actor, exp.sequences, exp.attention_mask, exp.prompt_len)
             logp = logprobs_from_logits(logits, exp.sequences[:, exp.prompt_len:])
@@ -362,20 +451,32 @@ class Trainer:
         loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer,
                                   loss_agg_mode=self.mode, cliprange_low=self.clip_low, cliprange_high=self.clip_high,
                                   is_weights=exp.is_weights, ref_logp=exp.ref_logp if in_loss else None,
-                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
+                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0, token_stats=token_stats)
         self.actor.backward(loss * scale)
-        self.actor.step()
+        self._step_engine(self.actor, "actor_grad_norm")
         self._after_actor_step()
         return {"actor_loss": loss.detach(), **stats}
 
-    def train_critic(self, exp: Experience, values: torch.Tensor | None = None) -> dict:
-        """One clipped value-loss micro-step of the critic on ``exp`` (one micro-batch); ``values``
-        ``(B, A)`` as ``logp`` in :meth:`train_actor`."""
+    def _step_engine(self, engine, trace_key: str) -> None:
+        """``engine.step()``; at an optimizer step with :attr:`trace` set, its gradient norm goes there."""
+        boundary = self.trace is not None and engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if boundary:
+            norm = engine.get_global_grad_norm()
+            self.trace[trace_key].append(float(norm) if norm is not None else float("nan"))
+
+    def train_critic(self, exp: Experience, values: torch.Tensor | None = None,
+                     normalizer: torch.Tensor | None = None, scale: float = 1.0) -> dict:
+        """One clipped value-loss micro-step of the critic on ``exp`` (one micro-batch): its share of the
+        optimizer step's token mean (``normalizer``, the step's action-token count; ``None``: the
+        micro-batch's own mean), times ``scale`` for DeepSpeed (:func:`chatrl.rl.loss.loss_scale`).
+        ``values`` ``(B, A)`` as ``logp`` in :meth:`train_actor`."""
         if values is None:
             values = answer_values(self.critic, exp.sequences, exp.attention_mask, exp.prompt_len)
-        loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value)
-        self.critic.backward(loss)
-        self.critic.step()
+        loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value,
+                                       normalizer=normalizer)
+        self.critic.backward(loss * scale)
+        self._step_engine(self.critic, "critic_grad_norm")
         return {"critic_loss": loss.detach(), **stats}
 
     def train_ptx(self, batch: dict) -> dict:
