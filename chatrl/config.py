@@ -520,6 +520,18 @@ def program_parser(settings_cls, description: str, prog: str | None = None) -> a
     return p
 
 
+def setting_flags(settings_cls) -> dict[str, str]:
+    """Every flag of the program whose blocks ``settings_cls`` declares (:func:`uses`), mapped to the
+    block field it sets (``"actor_optim.learning_rate"``); a shared field of a block used twice is one
+    flag, named after its first use."""
+    out: dict[str, str] = {}
+    for name, use in _uses(settings_cls):
+        prefixes = (use.prefix,) if use.prefix else ()
+        for f, flag in _flag_names(use.block, prefixes, use.only, use.exclude):
+            out.setdefault(flag, f"{name}.{f.name}")
+    return out
+
+
 def read(settings_cls, args: argparse.Namespace):
     """The typed settings of a program: each :func:`uses` field read back as its block (:func:`from_args`)."""
     return settings_cls(**{name: from_args(use.block, args, use.prefix) for name, use in _uses(settings_cls)})
