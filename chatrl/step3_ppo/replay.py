@@ -130,9 +130,9 @@ def replay(output: str | os.PathLike, step: int, atol: float = 0.0) -> dict:
     folder = resolve_output(output)
     index, ranks = read_step(folder, step)
     world = int(index["world_size"])
-    if dist.get_world_size() != world and (world > 1 or torch.distributed.is_initialized()):
+    if int(os.environ.get("WORLD_SIZE", "1")) != world:
         raise SystemExit(f"chatrl.replay: the record was made by {world} ranks; this replay runs on "
-                         f"{dist.get_world_size()} (run `python -m chatrl.replay` without a launcher)")
+                         f"{os.environ.get('WORLD_SIZE', '1')} (run `python -m chatrl.replay` without a launcher)")
     run = build(cli.parse(build_parser(), replay_argv(index, folder, step)))
     done, _, _ = restore(run)
     if done != step - 1:

@@ -20,15 +20,17 @@ from chatrl import dist
 from chatrl.dist import run_program
 from tests.stages.loop_runs import base_argv, run
 
-#: name → (program, extra flags): each critic-free aggregation on GRPO, PPO with its default
+#: name → (program, extra flags, ZeRO stages or None for all): each critic-free aggregation on GRPO, PPO with
+#: its default; and a control that must differ, DeepSpeed-Chat's split-dependent micro-batch mean (ZeRO-0 only)
 CONFIGS = {
-    "sft": ("sft", []),
-    "reward": ("reward", []),
-    "dpo": ("dpo", []),
-    "ppo": ("ppo", []),
-    "grpo-token-mean": ("grpo", ["--loss_agg_mode", "token-mean"]),
-    "grpo-seq-mean-token-mean": ("grpo", ["--loss_agg_mode", "seq-mean-token-mean"]),
-    "grpo-seq-mean-token-sum-norm": ("grpo", ["--loss_agg_mode", "seq-mean-token-sum-norm"]),
+    "sft": ("sft", [], None),
+    "reward": ("reward", [], None),
+    "dpo": ("dpo", [], None),
+    "ppo": ("ppo", [], None),
+    "grpo-token-mean": ("grpo", ["--loss_agg_mode", "token-mean"], None),
+    "grpo-seq-mean-token-mean": ("grpo", ["--loss_agg_mode", "seq-mean-token-mean"], None),
+    "grpo-seq-mean-token-sum-norm": ("grpo", ["--loss_agg_mode", "seq-mean-token-sum-norm"], None),
+    "control-ppo-micro-batch-token-mean": ("ppo", ["--loss_agg_mode", "micro-batch-token-mean"], (0,)),
 }
 
 
@@ -44,10 +46,10 @@ def main():
     result, work = Path(a.result), Path(a.work)
     layouts = {1: [("mb4xacc1", 4, 1), ("mb1xacc4", 1, 4)], 2: [("2xmb1xacc2", 1, 2)]}[info.world_size]
     times = {}
-    for name, (program, extra) in CONFIGS.items():
+    for name, (program, extra, zeros) in CONFIGS.items():
         if a.only and name not in a.only:
             continue
-        for zero in a.zero:
+        for zero in (z for z in a.zero if zeros is None or z in zeros):
             for layout, micro, gas in layouts:
                 t0 = time.time()
                 out = work / f"{name}-zero{zero}-{layout}"

@@ -37,16 +37,16 @@ _SUPERVISED = {
     "lora_module_name": ("mlp", LORA),
     "only_optimize_lora": (True, LORA),
     "lora_learning_rate": ("0.05", LORA),
-    "data_path": ([f"{HH}[64:128]"], []),
-    "eval_data_path": ([f"{HH}[300:310]"], ["--eval_fraction", "0.5"]),  # given: nothing is held out of training
+    "data_path": ([f"{HH}[128:256]"], []),
+    "eval_data_path": ([f"{HH}[300:310]"], []),  # given: nothing is held out of training
     "eval_fraction": ("0.5", []),
     "max_seq_len": ("40", []),
     "per_device_train_batch_size": ("3", []),
     "learning_rate": ("3e-2", []),
     "weight_decay": ("0.5", []),
     "gradient_accumulation_steps": ("2", []),
-    "num_train_epochs": ("2", ["--max_steps", "0"]),  # the schedule spans the epochs
-    "max_steps": ("10", ["--num_train_epochs", "5"]),  # the schedule spans the steps (epochs longer than them)
+    "num_train_epochs": ("2", []),  # the schedule spans the epochs (the baseline: one, no --max_steps)
+    "max_steps": ("3", []),  # the schedule spans these steps instead of the epoch
     "lr_scheduler_type": ("linear", []),
     "num_warmup_steps": ("1", []),
     "gradient_clipping": ("1e-4", []),
@@ -81,7 +81,7 @@ TABLE["ppo"] = {
     "actor_lora_learning_rate": ("0.05", ACTOR_LORA),
     "critic_lora_learning_rate": ("0.05", CRITIC_LORA),
     "only_optimize_lora": (True, ACTOR_LORA),
-    "data_path": ([f"{HH}[64:128]"], []),
+    "data_path": ([f"{HH}[128:256]"], []),
     "data_split": ("0,10,10", []),
     "unsupervised_dataset_name": ([f"{ALPACA}[0:32]"], []),
     "unsup_coef": ("1e-3", PTX),  # PTX gradients as small as the policy's (Adam normalises each step's scale)
@@ -91,8 +91,8 @@ TABLE["ppo"] = {
     "generation_batches": ("2", []),
     "per_device_training_batch_size": ("1", []),  # four micro-batches per buffer: four optimizer steps, not two
     "gradient_accumulation_steps": ("2", []),
-    "num_train_epochs": ("2", ["--max_steps", "0"]),
-    "max_steps": ("10", []),
+    "num_train_epochs": ("2", []),
+    "max_steps": ("3", []),
     "lr_scheduler_type": ("linear", []),
     "num_warmup_steps": ("1", []),
     "gradient_clipping": ("1e-4", []),
@@ -101,7 +101,7 @@ TABLE["ppo"] = {
     "init_kl_coef": ("0.5", []),
     "kl_ctl": ("adaptive", []),
     # the KL is 0 at step 1 (actor = reference), so the target acts on the coefficient of step 3
-    "kl_target": ("0.01", [*ADAPTIVE, "--stop_after_steps", "3", "--max_steps", "4"]),
+    "kl_target": ("0.01", [*ADAPTIVE, "--stop_after_steps", "3"]),
     "kl_horizon": ("10", ADAPTIVE),
     "kl_estimator": ("k3", []),
     "kl_in": ("loss", []),

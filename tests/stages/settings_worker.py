@@ -39,8 +39,11 @@ def baseline_argv(program: str, out: Path, work: Path, context: list[str]) -> li
     context = [c for c in context if c != FIXED_SAMPLER]
     if program == "ppo":
         return base_argv("ppo", work, out, micro=2, gas=1, steps=2, rows=64,
-                         extra=["--per_device_generation_batch_size", "4", *context])
-    return base_argv(program, work, out, micro=2, gas=1, steps=2, rows=64, extra=list(context))
+                         extra=["--per_device_generation_batch_size", "4", "--max_steps", "0", *context])
+    # one epoch (no --max_steps cap) of 64 SFT rows or 128 pair rows: 6 steps or more; one eval batch before
+    return base_argv(program, work, out, micro=2, gas=1, steps=2, rows=64 if program == "sft" else 128,
+                     extra=["--max_steps", "0", "--eval_fraction", "0.05", "--eval_iters", "1",
+                            "--per_device_eval_batch_size", "2", *context])
 
 
 def _flag_values(flag: str, value, paths: dict) -> list[str]:

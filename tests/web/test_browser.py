@@ -67,6 +67,7 @@ def test_report_renders_offline_with_every_chart(browser, tmp_path):
                           ".filter(d => d.querySelector('.main-svg .scatterlayer .trace')).length")
     assert drawn == expected
     assert page.locator("table.alerts td", has_text="eos_collapse").count() == 1
+    assert page.locator("table.certificate tr.fail").count() == 1 and page.locator("table.certificate tr.pass").count() == 2
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
     assert page.errors == []
