@@ -98,7 +98,7 @@ def test_report_of_a_three_step_output(tmp_path):
     assert doc.index("Correctness certificate") < doc.index("Run-health alerts") < doc.index('id="step1_actor"')
     assert doc.count('<tr class="pass">') == 2 and doc.count('<tr class="fail">') == 1
     assert "1 property failed." in doc and "loss scale (model) failed: ratio 0.5" in doc
-    assert "No certificate: step 3: RLHF." in doc
+    assert "No certificate: step 3: RLHF" in doc
     assert doc.index("eos_collapse") < doc.index('id="step1_actor"')
     assert "say &lt;b&gt;hi&lt;/b&gt;" in doc and "hi number 10" in doc  # samples, escaped
     assert "--learning_rate 1e-3" in doc  # the command of step 1 from OUTPUT/logs/step1.log
