@@ -64,6 +64,17 @@ def _load_tokenizer(path: str | None):
         return None
 
 
+def _finite(x):
+    """``x`` with every non-finite float as None (JSON has no NaN; the page parses it with JSON.parse)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
 def _round(t: torch.Tensor) -> list:
     return [None if not math.isfinite(v) else round(v, 6) for v in t.tolist()]
 
@@ -267,8 +278,9 @@ def build_html(output: str | os.PathLike, step: int, other: str | os.PathLike | 
     available = {k for r in runs for s in r["samples"] for k in s["tokens"]}
     radios = "".join(f'<label><input type="radio" name="colour" value="{k}"{" checked" if k == "advantages" else ""}>'
                      f"{html.escape(label)}</label>" for k, label, _, _ in COLOURINGS if k in available)
-    data = {"runs": runs, "colourings": [list(c) for c in COLOURINGS if c[0] in available]}
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    data = {"runs": [{"output": r["output"], "samples": r["samples"]} for r in runs],
+            "colourings": [list(c) for c in COLOURINGS if c[0] in available]}
+    payload = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     title = f"chatrl inspector: step {step} of {Path(runs[0]['output']).name}" + (
         f" vs {Path(runs[1]['output']).name}" if other else "")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="chatrl-charts" content="{len(figs)}">'

@@ -8,7 +8,7 @@ Runs, each in this process (``tests.stages.loop_runs``'s tiny set-ups, stories26
   inference copy (TP 2), actor ZeRO-3, three steps, ``--save_rollouts 2``: every property passes
   (the loss-scale probe of the actor and the critic on); step 2 is recorded, with the checkpoint of
   step 1 (the replay and the inspector read them);
-* ``plain``: step 3 without the hybrid engine (the training module samples), ZeRO-0;
+* ``plain``: step 3 without the hybrid engine (the training module samples, its LoRA unmerged), ZeRO-0;
 * ``stale``: ``--debug_stale_weights`` (the inference copy is never refreshed): the weight-version
   check must stop the run at the first step whose rollouts come from stale weights (step 2);
 * ``dropped_flag``: step 3 at ``--temperature 0.5`` whose trainer scores at temperature 1 (the flag
@@ -75,7 +75,7 @@ def main():
     cases = {
         "records": lambda out: step3(out, work, ["--enable_hybrid_engine", "--inference_tp_size", "2", "--actor_lora_dim",
                                                  "4", "--actor_zero_stage", "3", "--save_rollouts", "2"], probe=True),
-        "plain": lambda out: step3(out, work, [], steps=2),
+        "plain": lambda out: step3(out, work, ["--actor_lora_dim", "4"], steps=2),
         "stale": lambda out: step3(out, work, ["--enable_hybrid_engine", "--actor_zero_stage", "3",
                                                "--debug_stale_weights"]),
         "dropped_flag": lambda out: step3(out, work, ["--temperature", "0.5"], steps=2, temperature_on_trainer=1.0),
