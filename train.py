@@ -170,7 +170,8 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
 
     Warm-ups are fractions of each step's run (10 of step 1's 114 steps, 10 of step 2's 91, 5 of step
     3's 40), so that a shortened demo (``--step3-args "--max_steps 3"``) still fits; intervals longer
-    than a shortened run simply do not fire."""
+    than a shortened run simply do not fire. Step 3 records the batches of steps 20 and 40
+    (``--save_rollouts``) for ``python -m chatrl.inspect`` and ``python -m chatrl.replay``."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
     common = {"data_path": data, "data_split": "2,4,4", "data_output_path": output / "data_cache"}
@@ -184,7 +185,8 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
              "max_prompt_seq_len": 128, "max_answer_seq_len": 48, "per_device_generation_batch_size": 16,
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
-             "save_interval": 10, "save_hf_interval": 10}
+             "save_interval": 10, "save_hf_interval": 10,
+             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.inspect)
     # --step2-method dpo: DPO takes step 1's settings; its warm-up stays the 10 steps of its 46 it always had
     return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
 

@@ -201,12 +201,16 @@ class LoopCheckpoints:
             :attr:`chatrl.sizes.PPOPlan.layout`), recorded in every checkpoint and checked on resume.
         extra_modules: name → ``torch.nn.Module`` without optimizer saved too (step 3's EMA actor),
             as per-rank safetensors of its (ZeRO-3: local) parameters.
+        extra_state: name → an object with ``state_dict()`` (a collective: every rank calls it; rank 0's
+            result is saved as ``NAME.pt``, tensors and plain containers) and ``load_state_dict(state)``
+            (every rank, on resume): the data accounting (:class:`chatrl.certificate.DataAccounting`).
     """
 
     def __init__(self, ckpt: CheckpointConfig, output_dir: str, engines: dict, layout: dict,
-                 extra_modules: dict | None = None):
+                 extra_modules: dict | None = None, extra_state: dict | None = None):
         self.cfg, self.output_dir, self.engines, self.layout = ckpt, output_dir, engines, layout
         self.extra = extra_modules or {}
+        self.extra_state = extra_state or {}
         self.guard = NonFiniteGuard(engines, ckpt.max_nonfinite_steps)
         # for the Ctrl-C line: does the same command continue from the newest checkpoint?
         set_progress(resumes=bool(ckpt.resume and not ckpt.resume_from_checkpoint))
@@ -254,6 +258,12 @@ class LoopCheckpoints:
         state = load_checkpoint(self.engines, path)
         for name, module in self.extra.items():
             _load_local_params(module, os.path.join(path, f"{name}_rank{get_rank()}.safetensors"))
+        for name, obj in self.extra_state.items():
+            saved = Path(path) / f"{name}.pt"
+            if saved.is_file():
+                obj.load_state_dict(torch.load(saved, weights_only=True))
+            else:
+                log.warning("checkpoint %s holds no %s; it starts afresh", path, saved.name)
         state["path"] = str(path)
         set_progress(saved=str(path), saved_step=state.get("step"))
         return state
@@ -278,6 +288,10 @@ class LoopCheckpoints:
         def write_extra(folder):
             for name, module in self.extra.items():
                 _save_local_params(module, os.path.join(folder, f"{name}_rank{get_rank()}.safetensors"))
+            for name, obj in self.extra_state.items():
+                extra = obj.state_dict()  # a collective: every rank
+                if is_main():
+                    torch.save(extra, os.path.join(folder, f"{name}.pt"))
 
         path = save_checkpoint(self.engines, self.output_dir, step, {**state, "layout": self.layout},
                                keep=self.cfg.save_total_limit, write_extra=write_extra)

@@ -204,6 +204,9 @@ class HybridEngineConfig:
     release_inference_cache: bool = setting(False, "free the inference copy after each rollout (ZeRO-3 memory back "
                                                    "for training; rebuilt at the next rollout)")
     unpin_actor_parameters: bool = setting(False, "accepted for DeepSpeed-Chat compatibility and ignored")
+    debug_stale_weights: bool = setting(False, "testing: never refresh the inference copy once built (its version "
+                                               "still follows the actor), as a sync that silently fails would; the "
+                                               "weight-version check must stop the run")
 
 
 @dataclass
@@ -287,7 +290,8 @@ class PPOConfig:
     loss_agg_mode: str | None = setting(None, "how the policy loss is averaged over the optimizer step: "
                                               "micro-batch-token-mean (each micro-batch's token mean, DeepSpeed-Chat's) "
                                               "or a global count, invariant to micro-batches and ranks (unset: the "
-                                              "algorithm's: micro-batch-token-mean for ppo, token-mean otherwise)",
+                                              "algorithm's, token-mean; PPO's critic follows: a token mean of the "
+                                              "optimizer step, or of each micro-batch with micro-batch-token-mean)",
                                         choices=LOSS_AGG_MODES, type=str)
     cliprange_low: float | None = setting(None, "lower ratio clip epsilon (unset: --cliprange)", type=float)
     cliprange_high: float | None = setting(None, "upper ratio clip epsilon (unset: --cliprange_low; larger: DAPO's "
@@ -396,6 +400,21 @@ class SnapshotConfig:
     save_hf_interval: int = setting(0, "write an HF-format copy of the trained model every N optimizer steps "
                                        "(step 3: experience buffers) to OUTPUT_DIR/snapshots/step_N, which the "
                                        "evaluation reads as a checkpoint series (0: off)", unit="steps")
+
+
+@dataclass
+class CertificateConfig:
+    """The run's correctness certificate (OUTPUT_DIR/certificate.json) and step 3's rollout records
+    (docs/certificate.md)."""
+
+    disable_loss_scale_probe: bool = setting(False, "skip the loss-scale check of the first optimizer step (it keeps a "
+                                                    "copy of the initial weights on rank 0 until then)")
+    logp_diff_bound: float | None = setting(None, "step 3: bound on the largest per-token sampler/trainer log-prob gap "
+                                                  "of the run (unset: the dtype's, docs/certificate.md)", unit="nats",
+                                            type=float)
+    save_rollouts: int = setting(0, "step 3: write every N-th step's batch (tokens, masks, log-probs, rewards, "
+                                    "advantages, ratios, clip flags, weight version) to OUTPUT_DIR/rollouts, for "
+                                    "python -m chatrl.inspect and chatrl.replay (0: off)", unit="steps")
 
 
 # ------------------------------------------------------------------------------------- generation
@@ -555,6 +574,18 @@ def program_parser(settings_cls, description: str, prog: str | None = None) -> a
     return p
 
 
+def setting_flags(settings_cls) -> dict[str, str]:
+    """Every flag of the program whose blocks ``settings_cls`` declares (:func:`uses`), mapped to the
+    block field it sets (``"actor_optim.learning_rate"``); a shared field of a block used twice is one
+    flag, named after its first use."""
+    out: dict[str, str] = {}
+    for name, use in _uses(settings_cls):
+        prefixes = (use.prefix,) if use.prefix else ()
+        for f, flag in _flag_names(use.block, prefixes, use.only, use.exclude):
+            out.setdefault(flag, f"{name}.{f.name}")
+    return out
+
+
 def read(settings_cls, args: argparse.Namespace):
     """The typed settings of a program: each :func:`uses` field read back as its block (:func:`from_args`)."""
     return settings_cls(**{name: from_args(use.block, args, use.prefix) for name, use in _uses(settings_cls)})
@@ -574,6 +605,7 @@ class TrainingSettings:
     packing: PackingConfig = uses(PackingConfig)
     log: LogConfig = uses(LogConfig)
     ckpt: CheckpointConfig = uses(CheckpointConfig)
+    certificate: CertificateConfig = uses(CertificateConfig, only=("disable_loss_scale_probe",))
 
 
 def from_args(block, args: argparse.Namespace, prefix: str = ""):

@@ -245,11 +245,43 @@ def seeded_loader(dataset, batch_size: int, collate, info: DistInfo, seed: int, 
 
     The loader has its own seeded generator: creating an iterator must not draw from the global
     RNG, so a resumed run sees exactly the batches and random numbers of an uninterrupted one.
+    Every batch (``collate``'s dict) also holds ``sample_index`` ``(B,)``, the examples' positions in
+    ``dataset`` (the run's data accounting, :class:`chatrl.certificate.DataAccounting`); with
+    ``collate=list`` each item holds its own (:class:`chatrl.data.collate.MicroBatches` collects them).
     """
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
                                                   shuffle=shuffle, seed=seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
-                                       drop_last=drop_last, generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(_Indexed(dataset), batch_size=batch_size, sampler=sampler,
+                                       collate_fn=_IndexedCollate(collate), drop_last=drop_last,
+                                       generator=torch.Generator().manual_seed(seed))
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """``dataset`` whose items come with their index: ``(i, item)``; ``dataset`` is kept as ``.data``."""
+
+    def __init__(self, dataset):
+        self.data = dataset
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return int(i), self.data[i]
+
+
+class _IndexedCollate:
+    """``collate`` of the items, plus ``sample_index`` ``(B,)``, their indices; with a ``collate``
+    that returns the items as a list (``list``), the items each with their ``sample_index``."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, pairs):
+        batch = self.collate([item for _, item in pairs])
+        if isinstance(batch, list):  # items for chatrl.data.collate.MicroBatches: each carries its index
+            return [dict(item, sample_index=i) for i, item in pairs]
+        batch["sample_index"] = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+        return batch
 
 
 def resident_mb() -> float:
@@ -276,7 +308,8 @@ def deepspeed_config(
         batch: derived batch sizes (``train_batch_size`` is checked by DeepSpeed against them).
         zero_stage: 0–3. ``offload``: parameters (stage 3) and optimizer states to CPU.
         dtype: ``fp32`` | ``bf16`` | ``fp16`` (fp16 uses dynamic loss scaling).
-        gradient_clipping: global gradient-norm clip (0 disables).
+        gradient_clipping: global gradient-norm clip (0 disables; written as 0, since DeepSpeed's own
+            default for a config without the key is 1.0).
         inference: a frozen model (reference, reward): no optimizer sections.
 
     Raises:
@@ -304,8 +337,8 @@ def deepspeed_config(
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
-    if not inference and gradient_clipping > 0:
-        cfg["gradient_clipping"] = gradient_clipping
+    if not inference:  # always given: DeepSpeed's default when the key is absent is 1.0, not off
+        cfg["gradient_clipping"] = float(max(gradient_clipping, 0.0))
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -457,8 +490,8 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     plain = optimizer is not None and _plain_fp32_zero0(config)
     sparse = deepspeed_patches.sparse_embedding_grads(model) if plain else []
     max_norm = config.get("gradient_clipping", 0.0) if plain else 0.0
-    if max_norm:  # clipped by the non-finite guard below, with the norm it computes anyway
-        config = {k: v for k, v in config.items() if k != "gradient_clipping"}
+    if plain:  # clipped by the non-finite guard below, with the norm it computes anyway (0: DeepSpeed's clip off)
+        config = {**config, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
     if optimizer is not None and not hasattr(engine.optimizer, "overflow"):
         # ZeRO 1-3 and DeepSpeed's fp16/bf16 optimizers skip non-finite steps themselves; ZeRO-0 does not

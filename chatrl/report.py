@@ -6,12 +6,14 @@
 ``step3_rlhf/``) or one step's ``--output_dir``. The report reads only what the steps already
 write: ``logs/metrics.jsonl`` (every curve, train and eval; the rows of a resumed run are joined,
 with its resume points marked), ``logs/samples.jsonl`` (step 3's rollouts over time),
-``chatrl_run.json`` (a finished step's flags and final metrics), ``OUTPUT_DIR/logs/stepN.log``
-(the command that ran a step) and ``OUTPUT_DIR/eval/eval.json`` (the evaluation's figures,
-:mod:`chatrl.eval`). On top: the run-health alerts (:mod:`chatrl.alerts`) with their
-step and figure; then per step the headline figures, wall time and its split, the charts, the
-samples and the flags; then the evaluation: win rates with intervals, the KL / win-rate frontier over
-step 3's snapshots, and answers side by side. Charts are drawn with plotly, whose JavaScript is embedded once, so the
+``chatrl_run.json`` (a finished step's flags and final metrics), ``certificate.json`` (the step's
+correctness certificate, :mod:`chatrl.certificate`), ``OUTPUT_DIR/logs/stepN.log`` (the command
+that ran a step) and ``OUTPUT_DIR/eval/eval.json`` (the evaluation's figures, :mod:`chatrl.eval`).
+On top: each step's certificate (every property with its figure, bound and pass/fail), then the
+run-health alerts (:mod:`chatrl.alerts`) with their step and figure; then per step the headline
+figures, wall time and its split, the charts, the samples and the flags; then the evaluation: win
+rates with intervals, the KL / win-rate frontier over step 3's snapshots, and answers side by side.
+Charts are drawn with plotly, whose JavaScript is embedded once, so the
 file opens offline and makes no network requests. Running the command again on a live output
 folder refreshes the report. ``docs/report.md`` describes the report and the alert rules.
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
+from chatrl.certificate import read_certificate
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.eval import EVAL_FILE
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics
@@ -60,6 +63,7 @@ class StepRun:
     marker: dict | None
     command: str | None
     alerts: list[Alert] = field(default_factory=list)
+    certificate: dict | None = None  # certificate.json, when the step wrote one
 
     starts: list[int] = field(default_factory=list)  # row indices where a resumed attempt continued
 
@@ -119,6 +123,7 @@ def _load_step(folder: Path, output_dir: Path) -> StepRun:
     run = StepRun(folder, number, title, rows, read_metrics(folder / SAMPLES_FILE), marker, command,
                   starts=_resume_starts(folder, rows))
     run.alerts = check_rows(run.rows)
+    run.certificate = read_certificate(folder)
     return run
 
 
@@ -289,6 +294,33 @@ def _alerts_html(runs: list[StepRun]) -> str:
             f"<th>what it means</th></tr>{body}</table>")
 
 
+def _figure(x) -> str:
+    return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else _esc(x)
+
+
+def _certificates_html(runs: list[StepRun]) -> str:
+    """Each step's certificate: property, figure, bound, pass / FAIL / not checked, and its message."""
+    rows, missing = [], []
+    for run in runs:
+        cert = run.certificate
+        if not cert:
+            missing.append(run.title)
+            continue
+        for p in cert.get("properties", []):
+            state = {True: ("pass", "pass"), False: ("FAIL", "fail"), None: ("not checked", "skip")}[p.get("passed")]
+            rows.append(f'<tr class="{state[1]}"><td>{_esc(run.title)}</td><td><b>{_esc(p.get("name"))}</b></td>'
+                        f'<td>{_figure(p.get("figure"))}</td><td>{_figure(p.get("bound"))}</td>'
+                        f'<td class="verdict">{state[0]}</td><td>{_esc(p.get("message", ""))}</td></tr>')
+    if not rows:
+        return '<p class="sub">No step wrote a certificate yet (certificate.json: docs/certificate.md).</p>'
+    failed = sum('class="fail"' in r for r in rows)
+    head = (f'<p class="{"bad" if failed else "ok"}">{failed} propert{"y" if failed == 1 else "ies"} failed.</p>' if failed
+            else '<p class="ok">Every checked property passed (docs/certificate.md).</p>')
+    note = f'<p class="sub">No certificate: {_esc(", ".join(missing))}.</p>' if missing else ""
+    return (f'{head}<table class="certificate"><tr><th>step</th><th>property</th><th>figure</th><th>bound</th>'
+            f'<th>result</th><th>what was measured</th></tr>{"".join(rows)}</table>{note}')
+
+
 def _tail(text: str, n: int) -> str:
     return text if len(text) <= n else "…" + text[-n:]
 
@@ -447,7 +479,9 @@ def evaluation_html(output_dir: str | os.PathLike) -> tuple[str, int]:
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1500px}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
-h3{font-size:15px} .sub{color:#666;font-size:13px} .ok{color:#1e7e34}
+h3{font-size:15px} .sub{color:#666;font-size:13px} .ok{color:#1e7e34} .bad{color:#c0392b;font-weight:bold}
+table.certificate tr.pass td.verdict{color:#1e7e34;font-weight:bold} table.certificate tr.skip td.verdict{color:#888}
+table.certificate tr.fail td{background:#fbeaea} table.certificate tr.fail td.verdict{color:#c0392b;font-weight:bold}
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}
 table.alerts{border:2px solid #c0392b} table.alerts th{background:#fbeaea}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(440px,1fr));gap:8px}
@@ -484,6 +518,7 @@ def build_html(output_dir: str | os.PathLike) -> tuple[str, int]:
            f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
            f"<h1>chatrl run report</h1><p class=\"sub\">{_esc(Path(output_dir).resolve())} · written {when} · "
            f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.report {_esc(output_dir)}</code></p>"
+           f"<h2>Correctness certificate</h2>{_certificates_html(runs)}"
            f"<h2>Run-health alerts</h2>{_alerts_html(runs)}{''.join(sections)}{evaluation}</body></html>")
     return doc, n_charts
 

@@ -42,7 +42,9 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer, max_norm: float = 0.0
     skipped step and hold the learning-rate schedule (a total gradient norm that overflows fp32, above
     ~1.8e19 per element, counts as non-finite too). For optimizers whose gradients are the same
     on every rank when ``step`` runs (ZeRO-0: DeepSpeed all-reduces them first), so every rank
-    takes the same decision and the same clip. The clip is DeepSpeed's fp32 rule (and torch's):
+    takes the same decision and the same clip. The norm (before clipping) is left in
+    ``optimizer._global_grad_norm``, where DeepSpeed's engine reads it for ``get_global_grad_norm()``
+    as from its own optimizers. The clip is DeepSpeed's fp32 rule (and torch's):
     gradients × min(1, max_norm / (norm + 1e-6)), with the one norm the guard computes anyway;
     :func:`chatrl.dist.initialize` hands ZeRO-0's clipping to it so the norm is computed once, with
     no collective. Returns the optimizer, patched in place.
@@ -56,6 +58,7 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer, max_norm: float = 0.0
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
         finite = norm is None or bool(torch.isfinite(norm))
         optimizer.overflow = not finite
+        optimizer._global_grad_norm = float(norm) if norm is not None else 0.0  # DeepSpeed's get_global_grad_norm
         if not finite:
             optimizer.zero_grad(set_to_none=True)
             return None

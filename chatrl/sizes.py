@@ -151,7 +151,7 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
              per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
              gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: float | None,
              ptx: bool, algorithm: Algorithm, num_samples_per_prompt: int = 1,
-             loss_agg_mode: str = "micro-batch-token-mean", kl_horizon: float | None = None,
+             loss_agg_mode: str = "token-mean", kl_horizon: float | None = None,
              adaptive_kl: bool = False, print_answers_interval: int | None = None,
              max_tokens_per_micro_batch: int = 0) -> PPOPlan:
     """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.

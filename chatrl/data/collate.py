@@ -177,7 +177,8 @@ class MicroBatches:
     (:func:`chatrl.packing.micro_batch_groups`; ``all_reduce_max`` is the maximum over ranks, every
     rank calls it then). Tokens are counted as ``collate`` lays them out: summed when it packs
     (``collate.packs``), count × longest when it pads; an example's sequences come from
-    ``collate.lengths(example)``.
+    ``collate.lengths(example)``. Each micro-batch holds ``sample_index`` ``(b,)`` when the examples
+    carry theirs (:func:`chatrl.dist.seeded_loader` with ``collate=list``).
     """
 
     def __init__(self, collate, per_micro_batch: int, max_tokens: int, device, all_reduce_max=None):
@@ -187,7 +188,14 @@ class MicroBatches:
     def __call__(self, examples: Sequence[dict]) -> list[dict]:
         groups = micro_batch_groups([self.collate.lengths(x) for x in examples], self.per_micro_batch,
                                     self.max_tokens, self.collate.packs, self.all_reduce_max)
-        return [to_device(self.collate([examples[i] for i in g]), self.device) for g in groups]
+        out = []
+        for g in groups:
+            part = [examples[i] for i in g]
+            batch = to_device(self.collate(part), self.device)
+            if part and "sample_index" in part[0]:  # from chatrl.dist.seeded_loader: the data accounting's
+                batch["sample_index"] = torch.tensor([int(x["sample_index"]) for x in part], dtype=torch.long)
+            out.append(batch)
+        return out
 
 
 class PromptCollator:

@@ -17,12 +17,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from chatrl.dist import cpu_threads_per_rank, local_world_size
+from chatrl.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
 from chatrl.logprobs import logprobs_from_logits
 from chatrl.models import base_model, sampling_settings
+from chatrl.weight_version import WeightFingerprint, WeightStamp
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,13 @@ class HybridEngine:
             divided by the ranks on the node. Ignored on CUDA.
         pin_threads: pin each rank to its own CPUs while generating (CPU only; default on when the
             node has a CPU per thread of every rank).
+        debug_stale_weights: testing (``--debug_stale_weights``): once built, the inference copy is
+            never refreshed, although its version follows the actor's optimizer steps, as a sync that
+            silently fails would leave it; step 3's weight-version check must stop the run.
+
+    Every :meth:`generate` stamps the weights it generated with (:meth:`sampler_stamp`: their
+    version and checksum, read from the model that decoded, :mod:`chatrl.weight_version`);
+    :meth:`training_stamp` reads the same of the training weights.
 
     Attributes:
         timings: seconds of the last ``gather`` (ZeRO-3 all-gathers), ``shard`` (building the copy,
@@ -110,7 +118,7 @@ class HybridEngine:
 
     def __init__(self, actor_engine, *, enable: bool = True, inference_tp_size: int = 1,
                  tp_gather_partition_size: int = 8, release_inference_cache: bool = False,
-                 num_threads: int | None = None, pin_threads: bool | None = None):
+                 num_threads: int | None = None, pin_threads: bool | None = None, debug_stale_weights: bool = False):
 
         self.engine = actor_engine
         self.module = actor_engine.module
@@ -142,6 +150,9 @@ class HybridEngine:
             check_tp_size(self.hf, self.tp_size)
             self._tp_mesh, self._group = self._make_tp_group()
         self._threads, self._cpus = self._thread_plan(num_threads, pin_threads)
+        self.fingerprint = WeightFingerprint(self.module)
+        self.debug_stale_weights = debug_stale_weights
+        self._stamp: WeightStamp | int | None = None  # an int: the version of training weights not read yet
 
     # ------------------------------------------------------------------ layout
     def _make_tp_group(self):
@@ -224,8 +235,9 @@ class HybridEngine:
             self.timings.update(gather=0.0, shard=0.0)
             self._in_inference = True
             return
-        if not self._is_stale():
+        if not self._is_stale() or (self.debug_stale_weights and self._copy is not None):
             self.timings.update(gather=0.0, shard=0.0)
+            self._weights_step = self.engine.global_steps  # (the testing switch: a version that lies)
             self._in_inference = True
             return
         shard_s = 0.0
@@ -314,6 +326,7 @@ class HybridEngine:
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
         if not self.enabled:
+            self._stamp = int(self.engine.global_steps)  # the training weights: read when asked
             with self._placement():
                 out = self._plain_generate(input_ids, attention_mask, s, output_logits, output_logprobs)
             if not output_logprobs:
@@ -334,9 +347,46 @@ class HybridEngine:
                                                keep_logits=output_logits, keep_logprobs=output_logprobs)
         sequences = torch.cat([input_ids, tokens], dim=1)
         self.timings["generate"] = time.perf_counter() - t0
+        # the training weights (direct path) are read when asked; the copy now (it may be freed on exit)
+        self._stamp = int(self.engine.global_steps) if self._direct else self._copy_stamp()
         if output_logprobs:
             return sequences, logprobs[0]
         return (sequences, logits) if output_logits else sequences
+
+    # ------------------------------------------------------------------ weight stamps
+    def training_stamp(self) -> WeightStamp:
+        """The version (optimizer steps) and checksum of the actor's training weights now (a collective
+        under ZeRO-3: every rank calls it)."""
+        checksum, bound = self.fingerprint.training(all_reduce_sum if self.world_size > 1 else None)
+        return WeightStamp(int(self.engine.global_steps), checksum, bound)
+
+    def _copy_stamp(self) -> WeightStamp:
+        group = self._group
+
+        def tp_sum(t: torch.Tensor) -> torch.Tensor:
+            out = t.to(self.device)
+            dist.all_reduce(out, group=group.group)
+            return out.cpu()
+
+        checksum = self.fingerprint.of_copy(self._copy.model, self._copy.placements, group.index, group.size,
+                                            tp_sum if group.size > 1 else None)
+        return WeightStamp(int(self._weights_step), checksum)
+
+    def sampler_stamp(self) -> WeightStamp:
+        """The stamp of the weights the last :meth:`generate` decoded with, read from the model that
+        decoded: the inference copy (read when it generated), or the training module on the plain and
+        direct paths (its version taken when it generated, its checksum read now: a collective under
+        ZeRO-3, so every rank calls it, before the actor's next optimizer step).
+
+        Raises:
+            RuntimeError: nothing was generated yet.
+        """
+        if self._stamp is None:
+            raise RuntimeError("sampler_stamp: nothing was generated yet")
+        if isinstance(self._stamp, int):
+            now = self.training_stamp()
+            return WeightStamp(self._stamp, now.checksum, now.bound)
+        return self._stamp
 
     def _plain_generate(self, input_ids, attention_mask, s: GenerationSettings, output_logits: bool,
                         output_scores: bool = False):

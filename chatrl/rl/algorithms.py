@@ -109,7 +109,7 @@ def get(name: str) -> Algorithm:
 
 
 register(Algorithm("ppo", ppo_advantages, "actor-critic PPO: GAE on KL-shaped rewards and a learned critic",
-                   needs_critic=True, loss_agg_mode="micro-batch-token-mean"))
+                   needs_critic=True))
 register(Algorithm("grpo", grpo_advantages, "group-relative: each answer against its group's mean and std",
                    min_samples_per_prompt=2, default_samples_per_prompt=4))
 register(Algorithm("rloo", rloo_advantages, "leave-one-out: each answer against the mean of the others",

@@ -512,13 +512,15 @@ def critic_loss(
     clip_value: float | None = 0.2,
     normalizer: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss, a masked mean over all action tokens of the batch (or over a whole step's).
+    """Clipped value loss: a masked mean over the batch's action tokens, or the batch's share of an
+    optimizer step's token mean.
 
     ``v_clip = old_values + clip(values - old_values, -eps, eps)``;
     ``loss_t = 0.5 * max((values - R)^2, (v_clip - R)^2)``; ``loss = masked_mean(loss_t)``, or with
-    ``normalizer`` ``masked_sum(loss_t) / normalizer``: with the action tokens of the whole optimizer
-    step, all ranks, as normaliser (:func:`chatrl.rl.loss.step_normalizers`, ``token-mean``), the
-    micro-batches' gradients sum to the gradient of the step's token mean, whatever the split.
+    ``normalizer`` ``loss = masked_sum(loss_t) / normalizer``: given the action-token count of the
+    whole optimizer step (every micro-batch, every rank: :func:`chatrl.rl.loss.step_normalizers`),
+    the micro-batches' gradients sum to the gradient of the step's token mean, whatever the split
+    (the policy loss's ``token-mean``).
 
     Args:
         values: ``(B, A)`` current critic values (with grad).
@@ -527,7 +529,7 @@ def critic_loss(
         action_mask: ``(B, A)``, non-zero on actions. Masked positions of every input are ignored.
         clip_value: epsilon > 0 in the units of the value (default 0.2); ``None`` disables
             clipping (plain 0.5 * squared error).
-        normalizer: ``None`` (the batch's own token mean) or a count > 0 to divide the masked sum by.
+        normalizer: > 0, the token count the sum is divided by; ``None``: this batch's own count.
 
     Returns:
         ``(loss, stats)``: 0-dim loss (0 when no token is valid); ``stats["value_clip_frac"]``,
@@ -559,12 +561,12 @@ def critic_loss(
         clipped = unclipped
     else:
         clipped = (old + (v - old).clamp(-clip_value, clip_value) - ret) ** 2
-    per_token = torch.maximum(unclipped, clipped)
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
     if normalizer is None:
-        loss = 0.5 * masked_mean(per_token, valid)
+        loss = masked_mean(per_token, valid)
     else:
-        loss = 0.5 * masked_sum(per_token, valid) / torch.as_tensor(normalizer, dtype=per_token.dtype,
-                                                                     device=per_token.device)
+        total = masked_sum(per_token, valid)
+        loss = total / torch.as_tensor(normalizer, dtype=total.dtype, device=total.device)
     with torch.no_grad():
         clip_frac = masked_mean((clipped > unclipped).to(unclipped.dtype), valid)
     return loss, {"value_clip_frac": clip_frac.detach()}

@@ -16,9 +16,10 @@ whole step's loss, whatever the split. DeepSpeed's ``engine.backward`` divides t
 ``gradient_accumulation_steps`` and its gradient all-reduce averages over ranks; multiply the loss by
 :func:`loss_scale` before ``backward`` to undo both.
 
-``micro-batch-token-mean`` is DeepSpeed-Chat's aggregation (and PPO's default): each micro-batch's
-loss is the mean over its own action tokens and DeepSpeed averages the micro-batches and ranks, so
-a token's weight depends on how many tokens share its micro-batch.
+``micro-batch-token-mean`` is DeepSpeed-Chat's aggregation (kept for parity; every algorithm's
+default is ``token-mean``): each micro-batch's loss is the mean over its own action tokens and
+DeepSpeed averages the micro-batches and ranks, so a token's weight depends on how many tokens share
+its micro-batch, and the gradient on how the buffer is split.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 normalizer: float | torch.Tensor, *, loss_agg_mode: str = "token-mean",
                 cliprange_low: float = 0.2, cliprange_high: float | None = None,
                 is_weights: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-                kl_loss_coef: float = 0.0, kl_loss_kind: str = "k3"
+                kl_loss_coef: float = 0.0, kl_loss_kind: str = "k3", token_stats: dict | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss of one micro-batch, its share of the optimizer step's loss.
 
@@ -196,6 +197,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         is_weights: optional ``(B, A)`` from :func:`truncated_is_weights`.
         ref_logp: ``(B, A)`` reference log-probs, for the KL loss term.
         kl_loss_coef: beta >= 0 of the KL loss term. kl_loss_kind: a :data:`core.KL_KINDS` name.
+        token_stats: if given, filled with detached per-token ``(B, A)`` tensors: ``ratio`` (1 at
+            masked positions) and ``clip`` (int8: -1 where the lower clip removes the token's
+            gradient, +1 where the upper one does, else 0); the rollout records keep them.
 
     Returns:
         ``(loss, stats)``: 0-dim loss; detached local stats (masked means over the micro-batch):
@@ -261,6 +265,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         stats["clip_frac_high"] = core.masked_mean((removed & (ratio > 1.0)).to(ratio.dtype), valid)
         stats["approx_kl"] = core.masked_mean((ratio - 1.0) - log_ratio, valid)
         stats["ratio_mean"] = core.masked_mean(ratio, valid)
+        if token_stats is not None:
+            token_stats["ratio"] = torch.where(valid, ratio, torch.ones_like(ratio)).detach()
+            token_stats["clip"] = (torch.where(removed & valid & (ratio > 1.0), 1, 0)
+                                   - torch.where(removed & valid & (ratio < 1.0), 1, 0)).to(torch.int8)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
+from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
 from chatrl.data.collate import MicroBatches, PackedSFTCollator
@@ -33,10 +34,10 @@ from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
 from chatrl.generation import eos_rate
 from chatrl.logprobs import IGNORE_INDEX
-from chatrl.models import check_context_window, check_packing, load_tokenizer
+from chatrl.models import causal_lm_logits, check_context_window, check_packing, load_tokenizer
 from chatrl.resilience import set_progress
 from chatrl.sizes import BatchSizes, plan_steps
-from chatrl.step1_sft.loss import sft_nll
+from chatrl.step1_sft.loss import sft_nll, token_nll
 from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
 from chatrl.weights import save_hf_model
@@ -97,6 +98,19 @@ def eval_prompts(dataset, n: int) -> list:
     return [dataset[i]["input_ids"][: dataset[i]["prompt_len"]] for i in range(min(n, len(dataset)))]
 
 
+def one_batch_loss(dataset, collate):
+    """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
+    probe's reference, :class:`chatrl.certificate.LossScaleProbe`): every rank's ``sample_index``
+    collated together, the mean next-token NLL over all labelled tokens, all logits computed."""
+
+    def loss(model, parts: list) -> torch.Tensor:
+        b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
+        nll, n = token_nll(causal_lm_logits(model, b["input_ids"], b["attention_mask"]), b["labels"])
+        return nll / n.clamp(min=1)
+
+    return loss
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run step 1; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
     return run(argv)["metrics"]
@@ -127,8 +141,12 @@ def run(argv: list[str] | None = None) -> dict:
                       s.optim.num_warmup_steps, what="samples")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     model = load_trainable("causal_lm", tokenizer, s.model, s.lora).model
+    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
+                                 resume_path(s.ckpt, s.log.output_dir) is not None)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
+    cert = Certificate(s.log.output_dir, "step 1 (SFT)")
+    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
 
     tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
@@ -136,10 +154,12 @@ def run(argv: list[str] | None = None) -> dict:
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
+                           extra_state={"data_accounting": accounting})
     step, resumed, metrics = 0, ckpt.resume(), {}
     if resumed:
         step = resumed["step"]
+        cert.restore(resumed.get("certificate"))
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
@@ -155,6 +175,8 @@ def run(argv: list[str] | None = None) -> dict:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
+            for m in micro:
+                accounting.record(step // steps_per_epoch, m)
             n_local = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
             n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
             step_nll = 0.0
@@ -170,7 +192,11 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            ckpt.after_step(step, {"epoch": step // steps_per_epoch})
+            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                cert.add(probe.check(engine.get_global_grad_norm(), [m["sample_index"].cpu() for m in micro],
+                                     one_batch_loss(data.train, collate)))
+            state = {"epoch": step // steps_per_epoch, "certificate": cert.state()}
+            ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
                 tracker.log({"train/loss": loss, "train/lr": engine.lr_scheduler.get_last_lr()[0],
@@ -182,12 +208,16 @@ def run(argv: list[str] | None = None) -> dict:
                 metrics = evaluate(engine, data.eval, collate, s.batch, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-            ckpt.save_if_due(step, total_steps, {"epoch": step // steps_per_epoch})
+            ckpt.save_if_due(step, total_steps, state)
             if step >= total_steps or ckpt.stop_here(step):
                 break
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
+    cert.add(accounting.finish(step))
+    if "loss_scale" not in cert.properties:
+        cert.add(probe.property_unchecked())
+    cert.write()
 
     if s.eos_check.eval_eos_samples:
         rate = eos_rate(engine, eval_prompts(data.eval, s.eos_check.eval_eos_samples), tokenizer,
@@ -199,7 +229,7 @@ def run(argv: list[str] | None = None) -> dict:
     save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:
         write_run_marker(s.log.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
-    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
+    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s, "certificate": cert}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ at each epoch end, an optional greedy-answer EOS check, then the HF-format save 
 Maths: :mod:`chatrl.step2_dpo.loss` (per-pair losses of Rafailov et al. 2023, Azar et al. 2023,
 Zhao et al. 2023, Meng et al. 2024; label smoothing of cDPO). The reference: see
 :mod:`chatrl.step2_dpo.reference`. An optimizer step's loss is the mean over its pairs, all ranks:
-each micro-batch's pair losses are summed and divided by the step's pair count, so the gradient does
+each micro-batch's pair losses are summed and divided by the step's pair count over every
+micro-batch and rank (times accumulation × ranks, which DeepSpeed divides by), so the gradient does
 not depend on how the pairs are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out
 (``--packing``: rows without padding, docs/packing.md).
 
@@ -40,7 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
+from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
 from chatrl.data.collate import MicroBatches
@@ -156,6 +158,25 @@ def chosen_prompts(pairs, n: int) -> list:
     return [pairs[i]["chosen_input_ids"][: pairs[i]["prompt_len"]] for i in range(min(n, len(pairs)))]
 
 
+def one_batch_loss(dataset, collate, settings: DPOConfig):
+    """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
+    probe's reference): every rank's pairs collated together, the mean per-pair loss, with the
+    reference log-probs the loop computed for them (``parts``: per rank, ``(sample_index, ref)`` per
+    micro-batch, ``ref`` the reference's ``(chosen, rejected)`` log-probs or None)."""
+
+    def loss(model, parts: list) -> torch.Tensor:
+        micro = [m for part in parts for m in part]
+        b = collate([dataset[i] for idx, _ in micro for i in idx.tolist()])
+        logps, n_tokens = batch_answer_logps(model, b, next(model.parameters()).device)
+        (pc, pr), (nc, nr) = split_pairs(logps), split_pairs(n_tokens)
+        refs = [ref for _, ref in micro]
+        rc, rr = ((None, None) if refs[0] is None else
+                  (torch.cat([r[0] for r in refs]).to(pc.device), torch.cat([r[1] for r in refs]).to(pc.device)))
+        return preference_loss(settings, pc, pr, rc, rr, nc, nr)[0].mean()
+
+    return loss
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run DPO; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
     return run(argv)["metrics"]
@@ -191,8 +212,12 @@ def run(argv: list[str] | None = None) -> dict:
     # the frozen reference, when it is a copy: the policy's weights as loaded, before LoRA
     model, ref_model = load_trainable("causal_lm", tokenizer, s.model, s.lora,
                                       keep_copy="base" if ref_kind == "copy" else None)
+    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
+                                 resume_path(s.ckpt, s.log.output_dir) is not None)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
+    cert = Certificate(s.log.output_dir, "step 2 (DPO)")
+    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
     reference = build_reference(ref_kind, s.zero, s.model.dtype, ref_model, engine, batch, info)
     del ref_model
 
@@ -211,11 +236,13 @@ def run(argv: list[str] | None = None) -> dict:
         reference.release()
         tracker.write(f"reference log-probs of {len(train_pairs)} + {len(eval_pairs)} pairs precomputed in "
                       f"{time.time() - t_ref:.1f} s; the reference model is released")
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
+                           extra_state={"data_accounting": accounting})
     eos = s.eos_check
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
+        cert.restore(resumed.get("certificate"))
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
@@ -233,20 +260,23 @@ def run(argv: list[str] | None = None) -> dict:
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
     t0, first_step = time.time(), step
+    scale_base = info.world_size * batch.gradient_accumulation_steps
     while step < total_steps:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-            step_pairs = [x for _ in range(batch.gradient_accumulation_steps) for x in next(it)]
-            micro = micro_batches(step_pairs)
-            # DeepSpeed divides each loss by the accumulation steps and averages ranks: the step's pair mean
-            scale = batch.gradient_accumulation_steps * info.world_size / dist.all_reduce_sum(
-                torch.tensor(float(len(step_pairs)))).item()
+            micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
+            n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
+            probe_items = []
             for i, m in enumerate(micro):
+                accounting.record(step // steps_per_epoch, m)
                 if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
                     engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+                if probe.active:  # the reference log-probs of the probe's one micro-batch (constants)
+                    ref = reference.logps(m, "train")
+                    probe_items.append((m["sample_index"], None if ref is None else tuple(r.cpu() for r in ref)))
                 losses, chosen_r, rejected_r, lc, lr = pair_forward(engine, m, reference, s.dpo, info.device)
-                loss = losses.sum() * scale
+                loss = losses.sum() * (scale_base / max(n_global, 1.0))
                 if step + 1 in s.ckpt.debug_nonfinite_steps:
                     loss = loss * float("nan")
                 engine.backward(loss)
@@ -255,7 +285,10 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial}
+            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                cert.add(probe.check(engine.get_global_grad_norm(), probe_items,
+                                     one_batch_loss(train_pairs, collate, s.dpo)))
+            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": cert.state()}
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 tracker.log({**metrics_from(dist.all_reduce_sum(stats), "train"),
@@ -276,6 +309,10 @@ def run(argv: list[str] | None = None) -> dict:
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer,
                     "settings": s}
+    cert.add(accounting.finish(step))
+    if "loss_scale" not in cert.properties:
+        cert.add(probe.property_unchecked())
+    cert.write()
 
     if eos.eval_eos_samples:
         rate = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer, eos.eval_max_new_tokens,

@@ -8,9 +8,10 @@ Model: :class:`chatrl.reward_model.RewardModel`, a causal-LM backbone with a bia
 scalar head; a sequence's score is the head's value at its last real token (from the mask).
 Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of an optimizer step, all
 ranks (InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one): each micro-batch's
-pair losses are summed and divided by the step's pair count, so the gradient does not depend on how
-the pairs are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out (``--packing``:
-rows without padding, docs/packing.md).
+pair losses are summed and divided by the step's pair count over every micro-batch and rank (times
+accumulation × ranks, which DeepSpeed divides by), so every pair weighs the same whatever the split:
+how the pairs are cut into micro-batches (``--max_tokens_per_micro_batch``) or laid out
+(``--packing``: rows without padding, docs/packing.md).
 
 Metrics (``OUTPUT_DIR/logs/metrics.jsonl``, TensorBoard with ``--enable_tensorboard``):
 
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.checkpoint import LoopCheckpoints, batches_from, write_run_marker
+from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
 from chatrl.data.collate import MicroBatches, PackedPairCollator
@@ -117,6 +119,18 @@ def describe_eval(m: dict) -> str:
             f"({int(m['eval/pairs'])} pairs)")
 
 
+def one_batch_loss(dataset, collate):
+    """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
+    probe's reference): every rank's ``sample_index`` collated together, the mean pairwise loss."""
+
+    def loss(model, parts: list) -> torch.Tensor:
+        b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
+        chosen, rejected = split_pairs(model(b["input_ids"], b["attention_mask"]).end_scores)
+        return pairwise_losses(chosen, rejected, b.get("margin")).mean()
+
+    return loss
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run step 2; returns the final metrics (also written to ``OUTPUT_DIR/logs/metrics.jsonl``)."""
     return run(argv)["metrics"]
@@ -148,8 +162,12 @@ def run(argv: list[str] | None = None) -> dict:
                       s.optim.num_warmup_steps, what="pairs")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     model = load_trainable("reward", tokenizer, s.model, s.lora, require_head=False).model
+    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
+                                 resume_path(s.ckpt, s.log.output_dir) is not None)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
+    cert = Certificate(s.log.output_dir, "step 2 (reward model)")
+    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
 
     tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
@@ -157,10 +175,12 @@ def run(argv: list[str] | None = None) -> dict:
                   f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout())
+    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
+                           extra_state={"data_accounting": accounting})
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
+        cert.restore(resumed.get("certificate"))
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
@@ -173,22 +193,21 @@ def run(argv: list[str] | None = None) -> dict:
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
     t0, first_step = time.time(), step
+    scale_base = info.world_size * batch.gradient_accumulation_steps
     while step < total_steps:
         it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
-            stats = torch.zeros(3, dtype=torch.float64)  # loss sum over pairs, correct, pairs
-            step_pairs = [x for _ in range(batch.gradient_accumulation_steps) for x in next(it)]
-            micro = micro_batches(step_pairs)
-            # DeepSpeed divides each loss by the accumulation steps and averages ranks: the step's pair mean
-            scale = batch.gradient_accumulation_steps * info.world_size / dist.all_reduce_sum(
-                torch.tensor(float(len(step_pairs)))).item()
+            stats = torch.zeros(3, dtype=torch.float64)  # loss summed over pairs, correct, pairs
+            micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
+            n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
             for i, m in enumerate(micro):
+                accounting.record(step // steps_per_epoch, m)
                 if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
                     engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
                 _, scores = engine(m["input_ids"], m["attention_mask"], packed=m.get("packed"))
                 chosen, rejected = split_pairs(scores)
                 losses = pairwise_losses(chosen, rejected, m.get("margin"))
-                loss = losses.sum() * scale
+                loss = losses.sum() * (scale_base / max(n_global, 1.0))  # DeepSpeed divides by scale_base
                 if step + 1 in s.ckpt.debug_nonfinite_steps:
                     loss = loss * float("nan")
                 engine.backward(loss)
@@ -198,7 +217,10 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial}
+            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                cert.add(probe.check(engine.get_global_grad_norm(), [m["sample_index"] for m in micro],
+                                     one_batch_loss(data.train, collate)))
+            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": cert.state()}
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
@@ -217,6 +239,10 @@ def run(argv: list[str] | None = None) -> dict:
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine}
+    cert.add(accounting.finish(step))
+    if "loss_scale" not in cert.properties:
+        cert.add(probe.property_unchecked())
+    cert.write()
 
     tracker.close()
     save_reward_model(engine.module, tokenizer, s.log.output_dir)

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from chatrl import dist
+from chatrl.certificate import LossScaleProbe
 from chatrl.config import ModelConfig
 from chatrl.models import load_causal_lm
 from chatrl.reward_model import load_reward_model
@@ -31,13 +32,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RLHFEngines:
-    """The engines of a step-3 run; ``critic``, ``reward`` and ``ema`` are ``None`` when not built."""
+    """The engines of a step-3 run; ``critic``, ``reward`` and ``ema`` are ``None`` when not built.
+    ``probes``: the loss-scale probes of the trained models (``actor``, ``critic``), made before
+    DeepSpeed wrapped them (:class:`chatrl.certificate.LossScaleProbe`)."""
 
     actor: object
     reference: object
     critic: object | None
     reward: object | None
     ema: object | None
+    probes: dict = field(default_factory=dict)
 
 
 def check_tokenizers_compatible(actor_tok, reward_tok, actor_path: str, reward_path: str) -> None:
@@ -54,18 +58,22 @@ def check_tokenizers_compatible(actor_tok, reward_tok, actor_path: str, reward_p
 
 
 def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPlan,
-                  reward_path: str | None) -> RLHFEngines:
+                  reward_path: str | None, resuming: bool = False) -> RLHFEngines:
     """Load and wrap the models of a step-3 run (module docstring); every rank calls it.
 
     The actor's and critic's learning-rate schedules span their optimizer steps over the run
     (``plan.actor_steps``, ``plan.critic_steps``) with the plan's warm-up. ``reward_path``: the
-    reward model to load (:meth:`Step3Settings.reward_model_path`), or None.
+    reward model to load (:meth:`Step3Settings.reward_model_path`), or None. ``resuming``: the run
+    continues from a checkpoint (its loss-scale probes were measured by the first run).
     """
+    probe_on = not s.certificate.disable_loss_scale_probe
+    probes = {}
     batch = BatchSizes(s.ppo.per_device_training_batch_size, s.actor_optim.gradient_accumulation_steps,
                        info.world_size)
     dtype = s.actor.dtype
     actor, ema_model = load_trainable("causal_lm", tokenizer, s.actor, s.actor_lora,
                                       keep_copy="adapted" if s.ppo.enable_ema else None)
+    probes["actor"] = LossScaleProbe.start(actor, dtype, probe_on, resuming, train_mode=False, what="actor")
     actor_engine = dist.trained_engine(actor, s.actor_optim, s.actor_lora, s.actor_zero, dtype, batch,
                                        plan.actor_steps, plan.num_warmup_steps)
     reference = load_causal_lm(s.actor.model_name_or_path, tokenizer, dtype, dropout=s.actor.dropout,
@@ -84,6 +92,7 @@ def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPla
             log.info("the critic starts from %s with a fresh value head (no reward model is given)", path)
         critic_cfg = ModelConfig(**{**vars(s.critic), "model_name_or_path": path})
         critic = load_trainable("reward", tokenizer, critic_cfg, s.critic_lora, require_head=trained_head).model
+        probes["critic"] = LossScaleProbe.start(critic, dtype, probe_on, resuming, train_mode=False, what="critic")
         critic_engine = dist.trained_engine(critic, s.critic_optim, s.critic_lora, s.critic_zero, dtype, batch,
                                             plan.critic_steps, plan.num_warmup_steps)
     if reward_path is not None:
@@ -91,7 +100,7 @@ def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPla
                                    trust_remote_code=s.actor.trust_remote_code)
         reward_engine = dist.frozen_engine(reward, s.critic_zero.zero_stage, batch, dtype,
                                            s.critic_zero.partition_frozen_models, s.critic_zero.offload_reward_model)
-    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine)
+    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, probes)
 
 
 def seed_rollouts(seed: int, rank: int) -> int:

@@ -25,6 +25,7 @@ from chatrl.checkpoint import (
     Cycle,
     LoopCheckpoints,
     batches_from,
+    resume_path,
     write_run_marker,
 )
 from chatrl.data import PromptCollator, SFTCollator, phase_data
@@ -46,9 +47,11 @@ from chatrl.rl import core
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
+from chatrl.step3_ppo.evidence import Step3Evidence
 from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
 from chatrl.tracking import Tracker, Trend
+from chatrl.weight_version import WeightVersionError
 from chatrl.weights import save_hf_model, save_snapshot_if_due
 
 log = logging.getLogger("chatrl.step3")
@@ -70,7 +73,7 @@ def make_generate(actor_engine, s: Step3Settings, tokenizer) -> tuple[HybridEngi
     h = s.hybrid
     hybrid = HybridEngine(actor_engine, enable=h.enable_hybrid_engine, inference_tp_size=h.inference_tp_size,
                           tp_gather_partition_size=h.tp_gather_partition_size,
-                          release_inference_cache=h.release_inference_cache)
+                          release_inference_cache=h.release_inference_cache, debug_stale_weights=h.debug_stale_weights)
     sampling = sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)
 
     def turn(ids, mask):
@@ -148,6 +151,7 @@ class Step3Run:
     trainer: Trainer
     tracker: Tracker
     ckpt: LoopCheckpoints
+    evidence: Step3Evidence  # the certificate and the rollout records
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -196,6 +200,13 @@ def build(args, score_fn=None) -> Step3Run:
     data = phase_data(3, s.data, tokenizer, seed, max_prompt_len=rollout.max_prompt_seq_len)
     loader = dist.seeded_loader(data.train, rollout.per_device_generation_batch_size,
                                 PromptCollator(tokenizer.pad_token_id, with_metadata=True), info, seed, drop_last=True)
+    if (s.ppo.loss_agg_mode is None and s.data.unsupervised_dataset_name and algorithm.loss_agg_mode != "micro-batch-token-mean"
+            and s.actor_optim.gradient_accumulation_steps > 1):  # a default that does not fit adapts, and says so
+        s.ppo.loss_agg_mode = "micro-batch-token-mean"
+        if info.is_main:
+            log.warning("the PTX loss with --gradient_accumulation_steps > 1 needs a per-micro-batch aggregation: "
+                        "--loss_agg_mode micro-batch-token-mean is used (the policy and value losses then depend on "
+                        "the micro-batch split; see docs/ppo.md)")
     plan = plan_ppo(len(loader), len(data.train), info.world_size, rollout.per_device_generation_batch_size,
                     s.ppo.per_device_training_batch_size, rollout.generation_batches, s.ppo.ppo_epochs,
                     s.actor_optim.gradient_accumulation_steps, s.actor_optim.num_train_epochs,
@@ -214,7 +225,8 @@ def build(args, score_fn=None) -> Step3Run:
                                         drop_last=True, shuffle=True)
         ptx_iter = Cycle(ptx_loader, info.device)
 
-    engines = build_engines(s, tokenizer, info, plan, reward_path)
+    engines = build_engines(s, tokenizer, info, plan, reward_path, resuming=resume_path(s.ckpt, s.log.output_dir)
+                            is not None)
     seed_rollouts(seed, info.rank)  # per-rank sampling: ranks given the same prompt answer differently
     hybrid, generate = make_generate(engines.actor, s, tokenizer)
     kl_ctl = (core.AdaptiveKLController(s.ppo.init_kl_coef, s.ppo.kl_target, plan.kl_horizon)
@@ -228,7 +240,7 @@ def build(args, score_fn=None) -> Step3Run:
                       all_reduce_sum=dist.all_reduce_sum if several else None,
                       all_reduce_max=dist.all_reduce_max if several else None, rank=info.rank, ema=engines.ema,
                       temperature=s.sampling.temperature, packing=s.packing, env=make_env, episodes=episodes,
-                      max_prompt_len=rollout.max_prompt_seq_len)
+                      max_prompt_len=rollout.max_prompt_seq_len, weights=hybrid)
     tracker = Tracker.for_run(s.log, info.is_main)
     critic_desc = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{s.critic_zero.zero_stage}"
                    if engines.critic is not None else "no critic")
@@ -244,17 +256,67 @@ def build(args, score_fn=None) -> Step3Run:
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
     trained = {"actor": engines.actor, **({"critic": engines.critic} if engines.critic is not None else {})}
+    evidence = Step3Evidence(s, args, info, plan, trainer, engines.probes, loader, data.report)
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, trained, plan.layout,
-                           {"actor_ema": engines.ema.module} if engines.ema is not None else None)
-    return Step3Run(s, args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, tracker, ckpt)
+                           {"actor_ema": engines.ema.module} if engines.ema is not None else None,
+                           extra_state={"data_accounting": evidence.accounting})
+    return Step3Run(s, args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, tracker, ckpt,
+                    evidence)
+
+
+def restore(run: Step3Run) -> tuple[int, int, dict | None]:
+    """Load the checkpoint ``--resume`` / ``--resume_from_checkpoint`` name into ``run`` (weights,
+    optimizers, RNG, KL controller, PTX position, data counts, certificate so far); returns
+    ``(step, rollouts so far, the checkpoint's state or None)``."""
+    resumed = run.ckpt.resume()
+    if not resumed:
+        return 0, 0, None
+    step, samples = resumed["step"], resumed["samples"]
+    run.kl_ctl.load_state_dict(resumed["kl_ctl"])
+    if run.ptx_iter is not None:
+        run.ptx_iter.skip(resumed["ptx_batches"])
+    run.evidence.restore(resumed.get("certificate"))
+    run.tracker.resumed_at(step)
+    run.tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
+                      f"KL coefficient {run.kl_ctl.value:.4g})")
+    return step, samples, resumed
+
+
+def learn_from(run: Step3Run, rollouts: list, stats: PooledStats) -> tuple[object, dict]:
+    """Steps 2 and 3 of the loop on one buffer's rollouts: experience, then learning; adds the
+    rollout statistics and ``time/experience``, ``time/train`` to ``stats`` and returns
+    ``(experience, agreement figures)``."""
+    trainer = run.trainer
+    t0 = time.time()
+    exp, agreement = trainer.make_experience(rollouts, stats)
+    t1 = time.time()
+    agreement = trainer.learn(exp, stats, run.ptx_iter) or agreement
+    summarize(exp, run.kl_ctl.value, trainer.stops, stats)
+    for k, v in {"time/experience": t1 - t0, "time/train": time.time() - t1}.items():
+        stats.add_weighted(k, v, 1.0)  # per rank, averaged over ranks
+    return exp, agreement
 
 
 def train(run: Step3Run) -> dict:
     """The loop over ``run``, the same for every algorithm: per experience buffer, rollouts (generate,
     reward), experience (log-probs, values, advantages), learning, then log, KL control and
-    checkpoint; at the end save the HF folders. Returns the last logged metrics."""
+    checkpoint; at the end the certificate and the HF folders. Returns the last logged metrics.
+
+    Raises:
+        chatrl.weight_version.WeightVersionError: rollouts of other weights than the trainer's (every
+            rank; ``certificate.json`` is written first).
+    """
+    try:
+        return _train(run)
+    except WeightVersionError:
+        run.evidence.failed()
+        raise
+
+
+def _train(run: Step3Run) -> dict:
     s, info, plan, trainer, tracker, ckpt = run.settings, run.info, run.plan, run.trainer, run.tracker, run.ckpt
     engines, hybrid, kl_ctl, ptx_iter, tokenizer = run.engines, run.hybrid, run.kl_ctl, run.ptx_iter, run.tokenizer
+    evidence = run.evidence
     step, samples = 0, 0
     # --debug_nonfinite_steps (a testing hook) makes the reward NaN at those steps
     trainer.reward = nonfinite_scores(trainer.reward, s.ckpt.debug_nonfinite_steps, lambda: step + 1)
@@ -262,17 +324,9 @@ def train(run: Step3Run) -> dict:
 
     def state() -> dict:
         return {"epoch": step // steps_per_epoch, "kl_ctl": kl_ctl.state_dict(), "samples": samples,
-                "ptx_batches": ptx_iter.consumed if ptx_iter is not None else 0}
+                "ptx_batches": ptx_iter.consumed if ptx_iter is not None else 0, "certificate": evidence.state()}
 
-    resumed = ckpt.resume()
-    if resumed:
-        step, samples = resumed["step"], resumed["samples"]
-        kl_ctl.load_state_dict(resumed["kl_ctl"])
-        if ptx_iter is not None:
-            ptx_iter.skip(resumed["ptx_batches"])
-        tracker.resumed_at(step)
-        tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
-                      f"KL coefficient {kl_ctl.value:.4g})")
+    step, samples, _ = restore(run)
     tracker.bar(total_buffers, f"step 3 {s.algorithm.name}", initial=step)
     t_start, metrics, trend = time.time(), {}, Trend()
     while step < total_buffers:
@@ -283,25 +337,24 @@ def train(run: Step3Run) -> dict:
             rollouts = []
             for _ in range(s.rollout.generation_batches):
                 batch = next(it)
+                evidence.record_prompts(step, batch)
                 rollouts.append(trainer.rollout(batch["input_ids"].to(info.device),
                                                 batch["attention_mask"].to(info.device), batch["metadata"], step + 1,
                                                 batch.get("messages")))
             t1 = time.time()
-            # 2. experience: log-probs, values, KL, the algorithm's advantages
-            stats = PooledStats()  # every logged statistic, pooled over the global batch
-            exp, agreement = trainer.make_experience(rollouts, stats)
-            t2 = time.time()
+            # 2. experience: log-probs, values, KL, the algorithm's advantages (the weights checked first);
             # 3. learning: policy (and critic, PTX) micro-steps in the training layout
-            agreement = trainer.learn(exp, stats, ptx_iter) or agreement
-            summarize(exp, kl_ctl.value, trainer.stops, stats)
+            stats = PooledStats()  # every logged statistic, pooled over the global batch
+            evidence.before_learn(step + 1)
+            exp, agreement = learn_from(run, rollouts, stats)
+            evidence.after_learn(exp)  # the loss-scale probe at the first step
             rss = dist.resident_mb()
-            for k, v in {"time/generate": t1 - t0, "time/experience": t2 - t1, "time/train": time.time() - t2,
-                         "memory/rss_train_mb": rss, **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
+            for k, v in {"time/generate": t1 - t0, "memory/rss_train_mb": rss, **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
                 stats.add_weighted(k, v, 1.0)  # per rank, averaged over ranks
             step += 1
             set_progress(optimizer_step=step)
             samples += plan.rollouts_per_buffer
-            # 4. log, KL control, checkpoint
+            # 4. log, KL control, certificate figures and records, checkpoint
             metrics = {**stats.finish(dist.all_reduce_sum if info.world_size > 1 else None),
                        **{k: float(v) for k, v in agreement.items()}}  # agreement figures are already global
             if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing
@@ -312,6 +365,7 @@ def train(run: Step3Run) -> dict:
                            samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),
                            elapsed_min=(time.time() - t_start) / 60)
             trend.add(metrics)
+            evidence.after_step(step, exp, metrics)
             if step % s.log.log_interval == 0 or step == total_buffers:
                 tracker.log(metrics, step)
             tracker.advance()
@@ -324,7 +378,8 @@ def train(run: Step3Run) -> dict:
                                tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
                                (exp.kl[0] * exp.action_mask[0]).sum().item(), show=s.rollout.print_answers,
                                turns=episode_turns(exp, 0) if exp.turns is not None else None)
-            ckpt.save_if_due(step, total_buffers, state())
+            if ckpt.due(step, total_buffers) or evidence.needs_checkpoint(step, total_buffers):
+                ckpt.save(step, state())  # (the step before a recorded one: the replay starts there)
             save_snapshot_if_due(s.snapshots.save_hf_interval, step, total_buffers, engines.actor.module, tokenizer,
                                  s.log.output_dir)  # the actor as an HF folder, for python -m chatrl.eval
             if step >= total_buffers or ckpt.stop_here(step):
@@ -332,6 +387,7 @@ def train(run: Step3Run) -> dict:
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
             return metrics
+    evidence.finish()
     tracker.close()
     out = s.log.output_dir
     save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")

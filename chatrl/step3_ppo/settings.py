@@ -50,6 +50,7 @@ class Step3Settings:
     ckpt: config.CheckpointConfig = uses(config.CheckpointConfig)
     snapshots: config.SnapshotConfig = uses(config.SnapshotConfig)
     template_check: config.TemplateCheckConfig = uses(config.TemplateCheckConfig)
+    certificate: config.CertificateConfig = uses(config.CertificateConfig)
 
     @property
     def algorithm(self) -> Algorithm:
@@ -79,10 +80,11 @@ class Step3Settings:
     def fit_loss_aggregation_to_token_budget(self) -> str | None:
         """With ``--max_tokens_per_micro_batch``, make the loss aggregation a global one, in place.
 
-        DeepSpeed-Chat's ``micro-batch-token-mean`` (PPO's default) weighs a token by the number of
-        tokens sharing its micro-batch, so micro-batches cut by token budget would change the
-        gradient; a global mode does not (:mod:`chatrl.rl.loss`). An unset ``--loss_agg_mode`` then
-        becomes ``token-mean``; the returned line says so (None when nothing changed).
+        DeepSpeed-Chat's ``micro-batch-token-mean`` weighs a token by the number of tokens sharing
+        its micro-batch, so micro-batches cut by token budget would change the gradient; a global
+        mode does not (:mod:`chatrl.rl.loss`). Every built-in algorithm's default is global; for a
+        registered one whose default is ``micro-batch-token-mean``, an unset ``--loss_agg_mode``
+        becomes ``token-mean`` and the returned line says so (None when nothing changed).
 
         Raises:
             UsageError: ``--loss_agg_mode micro-batch-token-mean`` given with a token budget.

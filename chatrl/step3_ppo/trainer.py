@@ -58,7 +58,6 @@ from chatrl.rewards.base import decode_exactly
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
 from chatrl.rl.loss import (
-    GLOBAL_LOSS_AGG_MODES,
     logp_diff,
     loss_scale,
     policy_loss,
@@ -67,6 +66,7 @@ from chatrl.rl.loss import (
 )
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import EpisodePlan
+from chatrl.weight_version import WeightVersionCheck
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -81,12 +81,14 @@ class Experience:
     left-padded, answers masked after their first stop token), ``prompt_len`` ``P``,
     ``action_mask`` ``(B, A)``, ``sampler_logp`` ``(B, A)`` (the generator's log-prob of each
     sampled token), ``scores`` ``(B,)`` (the weighted reward, penalty included),
-    ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted) and ``metadata`` (``B`` dicts). For
-    multi-turn episodes (``--env``) the answer region ``A`` holds every assistant turn and the
-    observations between them: ``attention_mask`` is 1 on both, ``action_mask`` on the sampled
-    tokens only (every per-token quantity below is masked with it), ``turn_rewards`` ``(B, A)`` the
-    environment's rewards of the turns before the last at their last tokens (part of ``scores``),
-    ``turns`` ``(B,)`` the assistant turns, ``transcripts`` the ``B`` conversations.
+    ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted), ``metadata`` (``B`` dicts), and the
+    stamp of the weights that generated each rollout (:mod:`chatrl.weight_version`):
+    ``weight_version`` ``(B,)`` int64 and ``weight_checksum`` ``(B,)`` float64 (``None`` without a
+    stamp source). For multi-turn episodes (``--env``) the answer region ``A`` holds every assistant
+    turn and the observations between them: ``attention_mask`` is 1 on both, ``action_mask`` on the
+    sampled tokens only (every per-token quantity below is masked with it), ``turn_rewards``
+    ``(B, A)`` the environment's rewards of the turns before the last at their last tokens (part of
+    ``scores``), ``turns`` ``(B,)`` the assistant turns, ``transcripts`` the ``B`` conversations.
 
     Filled by the experience pass, all ``(B, A)``: ``ref_logp``, ``logp`` (actor), ``entropy`` (nats),
     ``values`` (critic, V(state before token j); ``None`` without a critic); and by
@@ -106,6 +108,8 @@ class Experience:
     turn_rewards: torch.Tensor | None = None
     turns: torch.Tensor | None = None
     transcripts: list[list[dict]] = field(default_factory=list)
+    weight_version: torch.Tensor | None = None
+    weight_checksum: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
@@ -118,6 +122,15 @@ class Experience:
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
+
+    def to(self, device) -> Experience:
+        """A copy with every tensor on ``device`` (``"cpu"``: to pickle or save it)."""
+        def moved(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device)
+            return {k: t.to(device) for k, t in v.items()} if isinstance(v, dict) else v
+
+        return Experience(**{f.name: moved(getattr(self, f.name)) for f in fields(self)})
 
     def rows(self, idx: slice) -> Experience:
         """The rollouts ``idx`` (a slice of the batch dimension) as a new Experience (tensors are views)."""
@@ -133,7 +146,8 @@ class Experience:
 
 def concat_rollouts(rollouts: list[Experience], pad_token_id: int) -> Experience:
     """One buffer from rollouts of different prompt widths ``P`` (left-padded to the widest) and answer
-    widths ``A`` (right-padded); per-token ``(B, A)`` tensors are right-padded with 0. A single
+    widths ``A`` (right-padded); every per-token ``(B, A)`` tensor is right-padded with 0 (the action
+    mask too, so padding is never an action), per-rollout ``(B,)`` ones are concatenated. A single
     rollout is returned as it is."""
     if len(rollouts) == 1:
         return rollouts[0]
@@ -147,18 +161,21 @@ def concat_rollouts(rollouts: list[Experience], pad_token_id: int) -> Experience
                               dim=1))
         masks.append(torch.cat([m.new_zeros(len(m), p - rp), m, m.new_zeros(len(m), a - ra)], dim=1))
 
-    def right(name: str) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(getattr(r, name), (0, a - getattr(r, name).shape[1]))
-                          for r in rollouts])
+    def joined(name: str):
+        parts = [getattr(r, name) for r in rollouts]
+        if parts[0] is None:
+            return None
+        if isinstance(parts[0], list):  # per rollout (transcripts)
+            return [x for part in parts for x in part]
+        if parts[0].dim() == 2:  # per token (B, A_r)
+            return torch.cat([torch.nn.functional.pad(t, (0, a - t.shape[1])) for t in parts])
+        return torch.cat(parts)
 
-    episodes = rollouts[0].turns is not None
-    return Experience(torch.cat(seqs), torch.cat(masks), p, right("action_mask"), right("sampler_logp"),
-                      torch.cat([r.scores for r in rollouts]),
-                      {k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in rollouts[0].reward_parts},
-                      [m for r in rollouts for m in r.metadata],
-                      right("turn_rewards") if episodes else None,
-                      torch.cat([r.turns for r in rollouts]) if episodes else None,
-                      [t for r in rollouts for t in r.transcripts])
+    skip = {"sequences", "attention_mask", "prompt_len", "reward_parts", "metadata"}
+    per_row = {f.name: joined(f.name) for f in fields(Experience) if f.name not in skip}
+    return Experience(torch.cat(seqs), torch.cat(masks), p,
+                      reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in rollouts[0].reward_parts},
+                      metadata=[m for r in rollouts for m in r.metadata], **per_row)
 
 
 def answer_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -233,6 +250,17 @@ class Trainer:
         env: the environment of multi-turn episodes (``--env``, :func:`chatrl.envs.load_environment`),
             or ``None``: one answer per prompt. episodes: their sizes (:func:`chatrl.sizes.plan_episodes`).
         max_prompt_len: ``--max_prompt_seq_len`` (an episode's opening turns are cut to it).
+        weights: the source of weight stamps (:class:`chatrl.hybrid_engine.HybridEngine`:
+            ``sampler_stamp()``, the weights of the last generation, and ``training_stamp()``, the
+            actor's now); every rollout carries the first, and :meth:`make_experience` checks them
+            against the second (:class:`chatrl.weight_version.WeightVersionCheck`, ``weight_check``).
+            ``None``: no check.
+
+    Attributes:
+        trace: set it to a dict before :meth:`learn` and learn fills it: ``ratio`` and ``clip``
+            ``(epochs, R, A)`` per token (:func:`chatrl.rl.loss.policy_loss`'s ``token_stats``),
+            ``actor_grad_norm`` and ``critic_grad_norm`` (one per optimizer step, DeepSpeed's
+            ``get_global_grad_norm``); the rollout records and the loss-scale probe read it.
 
     Raises:
         ValueError: a critic given to an algorithm without one, or none to one that needs it.
@@ -242,7 +270,8 @@ class Trainer:
                  settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
                  answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
                  rank: int = 0, ema=None, temperature: float = 1.0, packing: PackingConfig | None = None,
-                 env: EnvFactory | None = None, episodes: EpisodePlan | None = None, max_prompt_len: int = 0):
+                 env: EnvFactory | None = None, episodes: EpisodePlan | None = None, max_prompt_len: int = 0,
+                 weights=None):
         self.algorithm = settings.algorithm
         if (critic is not None) != self.algorithm.needs_critic:
             raise ValueError(f"--rl_algorithm {self.algorithm.name} {'needs' if self.algorithm.needs_critic else 'has no'}"
@@ -251,6 +280,8 @@ class Trainer:
         self.reward, self.generate, self.kl_ctl, self.s, self.tokenizer = reward, generate, kl_controller, settings, tokenizer
         self.mb, self.n = settings.per_device_training_batch_size, settings.samples_per_prompt
         self.mode = settings.loss_aggregation
+        # the critic's value loss: DeepSpeed-Chat's per-micro-batch mean beside its policy loss, else the step's token mean
+        self.critic_mode = "micro-batch-token-mean" if self.mode == "micro-batch-token-mean" else "token-mean"
         self.clip_low, self.clip_high = settings.clip_bounds
         self.stops, self.pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
         self.gas, self.world, self.answer_len = gradient_accumulation_steps, world_size, answer_len
@@ -261,6 +292,9 @@ class Trainer:
         self.env, self.episodes, self.max_prompt_len = env, episodes, max_prompt_len
         if (env is None) != (episodes is None):
             raise ValueError("an environment needs its episode sizes, and episode sizes an environment")
+        self.weights, self.weight_check = weights, WeightVersionCheck()
+        self.trace: dict | None = None
+        self._step = 0
         for m in (actor, critic, reference, ema):
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
@@ -291,6 +325,7 @@ class Trainer:
         ids, mask = repeat_prompts(prompt_ids, prompt_mask, self.n)
         meta = [dict(m) for m in (metadata or [{}] * len(prompt_ids)) for _ in range(self.n)]
         seq, sampler_logp = self.generate(ids, mask)
+        self._step = step
         P = ids.shape[1]
         seq, full_mask, action_mask = self.mask_answers(ids, mask, seq)
         sampler_logp = core.where_valid(sampler_logp[:, :action_mask.shape[1]].float().to(seq.device), action_mask > 0)
@@ -299,7 +334,17 @@ class Trainer:
         if self.s.penalty_no_eos:
             has_eos = core.has_stop_token(seq[:, P:], action_mask, self.stops)
             scores = scores - self.s.penalty_no_eos * (~has_eos).float()
-        return Experience(seq, full_mask, P, action_mask, sampler_logp, scores, parts, meta)
+        return Experience(seq, full_mask, P, action_mask, sampler_logp, scores, parts, meta,
+                          **self._stamps(len(seq), seq.device))
+
+    def _stamps(self, n: int, device) -> dict:
+        """The stamp of the weights that generated the last rollouts, per rollout: ``weight_version``
+        ``(n,)`` int64 and ``weight_checksum`` ``(n,)`` float64; ``{}`` without a stamp source."""
+        stamp = self.weights.sampler_stamp() if self.weights is not None else None
+        if stamp is None:
+            return {}
+        return {"weight_version": torch.full((n,), stamp.version, dtype=torch.long, device=device),
+                "weight_checksum": torch.full((n,), stamp.checksum, dtype=torch.float64, device=device)}
 
     def _score(self, batch: RewardBatch, step: int, device) -> tuple[torch.Tensor, dict]:
         """The weighted reward of ``batch`` on every rank (a failure anywhere raises everywhere)."""
@@ -338,6 +383,7 @@ class Trainer:
                               max_prompt_len=self.max_prompt_len, max_total_tokens=plan.max_total_tokens,
                               stop_ids=self.stops, device=device, all_reduce_sum=self.all_reduce_sum,
                               rank=self.rank, step=step)
+        self._step = step
         rmeta = [r["metadata"] for r in rows]
         P = ep.prompt_len
         prompts = [self.tokenizer.decode(ep.sequences[i, :P][ep.attention_mask[i, :P] > 0], skip_special_tokens=True)
@@ -351,7 +397,8 @@ class Trainer:
         if self.s.penalty_no_eos:
             scores = scores - self.s.penalty_no_eos * (~ep.ended).float()
         return Experience(ep.sequences, ep.attention_mask, P, ep.action_mask, ep.sampler_logp, scores, parts, rmeta,
-                          ep.turn_rewards, ep.turns, ep.messages)
+                          turn_rewards=ep.turn_rewards, turns=ep.turns, transcripts=ep.messages,
+                          **self._stamps(len(rows), device))
 
     def policy_logits(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int) -> torch.Tensor:
@@ -413,6 +460,9 @@ class Trainer:
         ``stats``. A collective: every rank calls it.
         """
         exp = concat_rollouts(rollouts, self.pad)
+        if self.weights is not None and exp.weight_version is not None:  # before anything learns from them
+            self.weight_check.check(exp.weight_version, exp.weight_checksum, self.weights.training_stamp(), self._step,
+                                    self.all_reduce_sum, self.all_reduce_max)
         deferred = self.first_pass_is_experience(len(exp))
         parts: dict[str, list] = {k: [] for k in ("logp", "entropy", "values", "ref_logp")}
         for rows, _, _ in self.micro_batches(exp):
@@ -450,24 +500,32 @@ class Trainer:
     def learn(self, exp: Experience, stats: PooledStats, ptx_batches=None) -> dict:
         """``--ppo_epochs`` passes of micro-batches over the buffer (module docstring, step 3).
 
-        Adds to ``stats``: the losses (``actor_loss`` is the mean loss of an optimizer step, all ranks'
-        micro-batches, :func:`chatrl.rl.loss.loss_scale`; ``critic_loss``, ``ptx_loss``: the mean over
-        micro-steps) and the token statistics of the policy and value losses (clip fractions,
+        Adds to ``stats``: the losses (``actor_loss`` and ``critic_loss`` are the mean loss of an
+        optimizer step, all ranks' micro-batches, :func:`chatrl.rl.loss.loss_scale`; ``ptx_loss``: the
+        mean over micro-steps) and the token statistics of the policy and value losses (clip fractions,
         approximate KL, ratio, ...) pooled over every token of every micro-batch and rank. Returns the
         agreement figures when the first training pass made the experience, else ``{}``.
         """
         norms = step_normalizers(exp.action_mask, self.mb, self.gas, self.mode, constant=float(self.answer_len),
                                  all_reduce_sum=self.all_reduce_sum)
         scale = loss_scale(self.mode, self.gas, self.world)
-        # with a global aggregation the critic's value loss is the step's token mean as well
-        critic_norms = (step_normalizers(exp.action_mask, self.mb, self.gas, "token-mean",
-                                         all_reduce_sum=self.all_reduce_sum)
-                        if self.critic is not None and self.mode in GLOBAL_LOSS_AGG_MODES else None)
+        critic_norms, critic_scale = None, 1.0
+        if self.critic is not None:  # the value loss: a token mean of the optimizer step (or of the micro-batch)
+            critic_mode = self.critic_mode
+            critic_norms = (norms if critic_mode == self.mode else
+                            step_normalizers(exp.action_mask, self.mb, self.gas, critic_mode,
+                                             all_reduce_sum=self.all_reduce_sum))
+            critic_scale = loss_scale(critic_mode, self.gas, self.world)
         ptx_iter = iter(ptx_batches) if ptx_batches is not None else None
         losses: dict[str, float] = {}
         agreement: dict = {}
         n = 0
-        for _ in range(self.s.ppo_epochs):
+        if self.trace is not None:
+            self.trace.update(ratio=[], clip=[], actor_grad_norm=[], critic_grad_norm=[])
+        for epoch in range(self.s.ppo_epochs):
+            if self.trace is not None:
+                self.trace["ratio"].append(torch.ones(exp.action_mask.shape, dtype=torch.float32))
+                self.trace["clip"].append(torch.zeros(exp.action_mask.shape, dtype=torch.int8))
             for rows, j, ends_step in self.micro_batches(exp):
                 logp = values = None
                 if exp.logp is None:  # the experience's actor (and critic) passes are this first step's forwards
@@ -480,10 +538,14 @@ class Trainer:
                         if engine is not None:
                             engine.set_gradient_accumulation_boundary(ends_step)
                 tokens = float(core.valid_mask(part.action_mask).sum())
-                step_stats = self.train_actor(part, norms[j], scale, logp)
+                per_token: dict | None = {} if self.trace is not None else None
+                step_stats = self.train_actor(part, norms[j], scale, logp, per_token)
+                if per_token:
+                    a = per_token["ratio"].shape[1]
+                    self.trace["ratio"][epoch][rows, :a] = per_token["ratio"].float().cpu()
+                    self.trace["clip"][epoch][rows, :a] = per_token["clip"].cpu()
                 if self.critic is not None:
-                    step_stats.update(self.train_critic(part, values, None if critic_norms is None else critic_norms[j],
-                                                        scale))
+                    step_stats.update(self.train_critic(part, values, critic_norms[j], critic_scale))
                 if ptx_iter is not None:
                     step_stats.update(self.train_ptx(next(ptx_iter)))
                 for k, v in step_stats.items():
@@ -493,10 +555,35 @@ class Trainer:
                         stats.add_weighted(k, float(v), tokens)
                 # micro-steps of the configured size: a step cut by token budget counts as the accumulation steps
                 n += 1 if ends_step is None else (self.gas if ends_step else 0)
-        shares = ("actor_loss", "critic_loss") if critic_norms is not None else ("actor_loss",)
+        factor = {"actor_loss": scale, "critic_loss": critic_scale}
         for k, total in losses.items():  # one figure per rank, averaged over ranks (equal micro-steps)
-            stats.add_weighted(k, total * (scale if k in shares else 1.0) / max(n, 1), 1.0)
+            stats.add_weighted(k, total * factor.get(k, 1.0) / max(n, 1), 1.0)
         return agreement
+
+    # --------------------------------------------------------------- the loss-scale probe's reference
+    def one_batch_actor_loss(self, model, parts: list[Experience]) -> torch.Tensor:
+        """The policy loss of a global batch as ONE micro-batch on one rank, by its definition
+        (:class:`chatrl.certificate.LossScaleProbe`): ``parts`` (every rank's rows of the first actor
+        optimizer step, with their experience) joined, ``model``'s log-probs at the sampling
+        temperature, the clipped loss over all their action tokens with the aggregation's own count
+        (no accumulation, no rank, no DeepSpeed factor)."""
+        exp = concat_rollouts(list(parts), self.pad)
+        logp = logprobs_from_logits(self.policy_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len),
+                                    exp.sequences[:, exp.prompt_len:])
+        norm = step_normalizers(exp.action_mask, len(exp), 1, self.mode, constant=float(self.answer_len))[0]
+        in_loss = self.s.kl_in == "loss"
+        loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, loss_agg_mode=self.mode,
+                              cliprange_low=self.clip_low, cliprange_high=self.clip_high, is_weights=exp.is_weights,
+                              ref_logp=exp.ref_logp if in_loss else None,
+                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
+        return loss
+
+    def one_batch_critic_loss(self, model, parts: list[Experience]) -> torch.Tensor:
+        """The value loss of a global batch as ONE micro-batch on one rank: the token mean over all
+        action tokens of ``parts`` joined (see :meth:`one_batch_actor_loss`)."""
+        exp = concat_rollouts(list(parts), self.pad)
+        values = answer_values(model, exp.sequences, exp.attention_mask, exp.prompt_len)
+        return core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value)[0]
 
     def first_pass(self, exp: Experience, stats: PooledStats) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """The first training forwards on a one-micro-batch buffer whose experience passes were deferred.
@@ -515,35 +602,44 @@ class Trainer:
         return logp, values, self.finish_experience(exp, stats)
 
     def train_actor(self, exp: Experience, normalizer: torch.Tensor, scale: float,
-                    logp: torch.Tensor | None = None) -> dict:
+                    logp: torch.Tensor | None = None, token_stats: dict | None = None) -> dict:
         """One micro-step of the actor on ``exp`` (one micro-batch): the clipped policy loss
         (:func:`chatrl.rl.loss.policy_loss`, with the KL loss term under ``--kl_in loss``) divided by
         ``normalizer``, times ``scale`` for DeepSpeed. ``logp`` ``(B, A)``: the actor's log-probs
-        from a forward already run on it (:meth:`first_pass`), else computed here."""
+        from a forward already run on it (:meth:`first_pass`), else computed here. ``token_stats``:
+        filled with the per-token ratio and clip flags when given."""
         if logp is None:
             logp = self.policy_logp(self.actor, exp)
         in_loss = self.s.kl_in == "loss"
         loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer,
                                   loss_agg_mode=self.mode, cliprange_low=self.clip_low, cliprange_high=self.clip_high,
                                   is_weights=exp.is_weights, ref_logp=exp.ref_logp if in_loss else None,
-                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
+                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0, token_stats=token_stats)
         self.actor.backward(loss * scale)
-        self.actor.step()
+        self._step_engine(self.actor, "actor_grad_norm")
         self._after_actor_step()
         return {"actor_loss": loss.detach(), **stats}
 
+    def _step_engine(self, engine, trace_key: str) -> None:
+        """``engine.step()``; at an optimizer step with :attr:`trace` set, its gradient norm goes there."""
+        boundary = self.trace is not None and engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if boundary:
+            norm = engine.get_global_grad_norm()
+            self.trace[trace_key].append(float(norm) if norm is not None else float("nan"))
+
     def train_critic(self, exp: Experience, values: torch.Tensor | None = None,
                      normalizer: torch.Tensor | None = None, scale: float = 1.0) -> dict:
-        """One clipped value-loss micro-step of the critic on ``exp`` (one micro-batch); ``values``
-        ``(B, A)`` as ``logp`` in :meth:`train_actor`. The loss is the micro-batch's token mean, or
-        with ``normalizer`` (a global ``--loss_agg_mode``) its share of the optimizer step's token
-        mean, times ``scale`` for DeepSpeed (:func:`chatrl.rl.core.critic_loss`)."""
+        """One clipped value-loss micro-step of the critic on ``exp`` (one micro-batch): its share of the
+        optimizer step's token mean (``normalizer``, the step's action-token count; ``None``: the
+        micro-batch's own mean), times ``scale`` for DeepSpeed (:func:`chatrl.rl.loss.loss_scale`).
+        ``values`` ``(B, A)`` as ``logp`` in :meth:`train_actor`."""
         if values is None:
             values = self.critic_values(exp)
         loss, stats = core.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.s.cliprange_value,
-                                       normalizer)
-        self.critic.backward(loss * scale if normalizer is not None else loss)
-        self.critic.step()
+                                       normalizer=normalizer)
+        self.critic.backward(loss * scale)
+        self._step_engine(self.critic, "critic_grad_norm")
         return {"critic_loss": loss.detach(), **stats}
 
     def train_ptx(self, batch: dict) -> dict:

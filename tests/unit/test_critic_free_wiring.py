@@ -43,11 +43,12 @@ def test_step3_flags_reach_the_ppo_block():
 def test_algorithm_defaults_fill_unset_flags():
     ppo = settings().ppo
     assert (ppo.rl_algorithm, ppo.samples_per_prompt, ppo.loss_aggregation, ppo.clip_bounds) == \
-        ("ppo", 1, "micro-batch-token-mean", (0.2, 0.2))
+        ("ppo", 1, "token-mean", (0.2, 0.2))
     grpo = settings("--rl_algorithm", "grpo").ppo
     assert (grpo.samples_per_prompt, grpo.loss_aggregation) == (4, "token-mean")
     assert settings("--rl_algorithm", "reinforce_pp").ppo.samples_per_prompt == 1
-    assert settings("--rl_algorithm", "ppo", "--loss_agg_mode", "token-mean").ppo.loss_aggregation == "token-mean"
+    assert settings("--rl_algorithm", "ppo", "--loss_agg_mode", "micro-batch-token-mean").ppo.loss_aggregation == \
+        "micro-batch-token-mean"
     assert set(algorithms.names()) == {"ppo", "grpo", "rloo", "reinforce_pp"}
     choices = next(a.choices for a in build_parser()._actions if a.dest == "rl_algorithm")
     assert list(choices) == list(algorithms.names())  # the flag's choices are the registry

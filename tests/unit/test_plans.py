@@ -21,15 +21,17 @@ def test_ppo_plan_counts():
     assert p.rollouts_per_buffer == 2 * 4 * 2 and p.micro_batches_per_generation == 2
     assert p.micro_batches_per_buffer == 2 * 2 * 2  # generation batches x PPO epochs x micro-batches
     assert p.critic_steps == p.actor_steps == 15 * 8
-    ptx = ppo(ptx=True, gradient_accumulation_steps=4, max_steps=6)
+    ptx = ppo(ptx=True, gradient_accumulation_steps=4, max_steps=6, loss_agg_mode="micro-batch-token-mean")
     assert ptx.total_buffers == 6 and ptx.critic_steps == 6 * 8 // 4 and ptx.actor_steps == 2 * ptx.critic_steps
 
 
 @pytest.mark.parametrize("kw, says", [
     (dict(per_device_generation_batch_size=5), "--per_device_generation_batch_size 5 is not a multiple of "
                                                "--per_device_training_batch_size 2"),
-    (dict(gradient_accumulation_steps=3), "--gradient_accumulation_steps 3 does not divide the 8 training "
-                                          "micro-batches"),
+    (dict(gradient_accumulation_steps=3, loss_agg_mode="micro-batch-token-mean"),
+     "--gradient_accumulation_steps 3 does not divide the 8 training micro-batches"),
+    (dict(gradient_accumulation_steps=3), "--gradient_accumulation_steps 3 does not divide the 4 micro-batches of "
+                                          "one pass over a buffer"),
     (dict(n_generation_batches=1), "lower --per_device_generation_batch_size or --generation_batches"),
     (dict(num_warmup_steps=120), "--num_warmup_steps 120 must be shorter than the run (120 critic optimizer steps)"),
     (dict(num_warmup_steps=-1), "--num_warmup_steps -1 must be >= 0"),

@@ -54,6 +54,15 @@ def make_output(root: Path) -> Path:
             t.sample(step, "\n\nHuman: say <b>hi</b>\n\nAssistant:", f"hi number {step}", 0.2 + 0.01 * step, 0.1 * step,
                      show=False)
     t.close()
+    from chatrl.certificate import Certificate, Property
+
+    c = Certificate(s1, "step 1 (SFT)")  # step 1 passes, step 2 fails its loss scale, step 3 has none yet
+    c.add(Property("loss_scale", 2e-8, 1e-3, True, "loss scale (model) passed: ratio 1"))
+    c.add(Property("data_accounting", 0.0, 0, True, "data accounting passed"))
+    c.write()
+    c = Certificate(s2, "step 2 (reward model)")
+    c.add(Property("loss_scale", 0.5, 1e-3, False, "loss scale (model) failed: ratio 0.5"))
+    c.write()
     logs = root / "logs"
     logs.mkdir()
     (logs / "step1.log").write_text("===== 2026\n$ deepspeed --module chatrl.step1_sft --learning_rate 1e-3\nrest\n")
@@ -85,6 +94,11 @@ def test_report_of_a_three_step_output(tmp_path):
     assert f'<meta name="chatrl-charts" content="{n_charts}">' in doc
     assert doc.count('class="chart"') == n_charts
     assert "eos_collapse" in doc and "EOS rate 0.37" in doc  # listed at the top with its figure
+    # the certificates on top: every property with figure, bound and result; the failed one marked
+    assert doc.index("Correctness certificate") < doc.index("Run-health alerts") < doc.index('id="step1_actor"')
+    assert doc.count('<tr class="pass">') == 2 and doc.count('<tr class="fail">') == 1
+    assert "1 property failed." in doc and "loss scale (model) failed: ratio 0.5" in doc
+    assert "No certificate: step 3: RLHF" in doc
     assert doc.index("eos_collapse") < doc.index('id="step1_actor"')
     assert "say &lt;b&gt;hi&lt;/b&gt;" in doc and "hi number 10" in doc  # samples, escaped
     assert "--learning_rate 1e-3" in doc  # the command of step 1 from OUTPUT/logs/step1.log

@@ -1,7 +1,8 @@
 """Trainer.learn, the one step-3 learner: the gradient of one optimizer step is the same whether the
 buffer is one micro-batch or four accumulated ones for each global aggregation mode (loss divided by
-the step's global count, scaled by gas × world for DeepSpeed's division); PPO's micro-batch mean is
-the mean of the micro-batches' own means; a critic trains only when the algorithm has one."""
+the step's global count, scaled by gas × world for DeepSpeed's division), PPO's default included, for
+its actor and its critic; DeepSpeed-Chat's micro-batch mean (an option) is the mean of the
+micro-batches' own means; a critic trains only when the algorithm has one."""
 
 import math
 from types import SimpleNamespace
@@ -95,14 +96,33 @@ def test_gradient_invariant_to_micro_batching(mode):
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-6)
 
 
-def test_ppo_micro_batch_mean_and_its_critic():
-    """PPO (DeepSpeed-Chat's aggregation): four micro-batches of 2 accumulated give the mean of the
-    four micro-batches' own token means, which is not the one-micro-batch gradient (rows hold
-    1 to 5 tokens); the critic makes one step per micro-batch; a critic-free algorithm refuses one."""
-    out, critics = [], []
+def test_ppo_default_is_invariant_to_micro_batching_for_actor_and_critic():
+    """PPO's default aggregation is the optimizer step's token mean, for the policy loss and the value
+    loss alike: one micro-batch of 8 or four accumulated micro-batches of 2 (rows of 0 to 5 tokens)
+    give the same actor and critic gradients."""
+    actors, critics = [], []
     for mb, gas in ((8, 1), (2, 4)):
         model, critic = tiny_model(), tiny_critic()
         settings = PPOConfig(per_device_training_batch_size=mb, separate_experience_pass=True)
+        assert settings.loss_aggregation == "token-mean"
+        trainer(settings, model, gas, FakeEngine(critic, gas)).learn(experience(with_values=True), PooledStats())
+        actors.append(grads(model))
+        critics.append(grads(critic))
+    assert actors[0].abs().sum() > 0 and critics[0].abs().sum() > 0
+    torch.testing.assert_close(actors[0], actors[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(critics[0], critics[1], rtol=0, atol=1e-6)
+
+
+def test_ppo_micro_batch_mean_and_its_critic():
+    """DeepSpeed-Chat's aggregation (``--loss_agg_mode micro-batch-token-mean``): four micro-batches of 2
+    accumulated give the mean of the four micro-batches' own token means, which is not the
+    one-micro-batch gradient (rows hold 1 to 5 tokens); the critic makes one step per micro-batch; a
+    critic-free algorithm refuses one."""
+    out, critics = [], []
+    mode = "micro-batch-token-mean"
+    for mb, gas in ((8, 1), (2, 4)):
+        model, critic = tiny_model(), tiny_critic()
+        settings = PPOConfig(per_device_training_batch_size=mb, separate_experience_pass=True, loss_agg_mode=mode)
         stats = PooledStats()
         trainer(settings, model, gas, FakeEngine(critic, gas)).learn(experience(with_values=True), stats)
         assert {"actor_loss", "critic_loss", "value_clip_frac", "clip_frac"} <= set(stats.finish())
@@ -114,7 +134,7 @@ def test_ppo_micro_batch_mean_and_its_critic():
     for i in range(4):
         model = tiny_model()
         exp = experience(with_values=True).rows(slice(2 * i, 2 * i + 2))
-        settings = PPOConfig(per_device_training_batch_size=2, separate_experience_pass=True)
+        settings = PPOConfig(per_device_training_batch_size=2, separate_experience_pass=True, loss_agg_mode=mode)
         trainer(settings, model, 1, FakeEngine(tiny_critic(), 1)).learn(exp, PooledStats())
         parts.append(grads(model))
     torch.testing.assert_close(out[1], sum(parts) / 4, rtol=0, atol=1e-6)

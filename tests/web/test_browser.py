@@ -67,6 +67,7 @@ def test_report_renders_offline_with_every_chart(browser, tmp_path):
                           ".filter(d => d.querySelector('.main-svg .scatterlayer .trace')).length")
     assert drawn == expected
     assert page.locator("table.alerts td", has_text="eos_collapse").count() == 1
+    assert page.locator("table.certificate tr.fail").count() == 1 and page.locator("table.certificate tr.pass").count() == 2
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
     assert page.errors == []
@@ -129,3 +130,49 @@ def test_web_chat_streams_answers_side_by_side(browser, chat_server):
     page.screenshot(path=str(ARTIFACTS / "web_chat.png"), full_page=True)
     assert page.errors == []
     page.close()
+
+
+def test_inspector_renders_offline_and_recolours_tokens(browser, tmp_path):
+    """The token inspector (python -m chatrl.inspect) of two recorded runs side by side: every rollout's
+    tokens drawn, each colouring applied (the clip hits of the hand-made trace among them), no JS
+    error, no network request. ``CHATRL_INSPECT_OUTPUT`` (a step-3 output with records, e.g. the
+    demo's) is drawn too when given: its screenshot is ``inspector_demo.png``."""
+    pytest.importorskip("plotly", reason="the inspector needs plotly: pip install -e '.[web]'")
+    import torch
+
+    from chatrl.inspect import write_inspector
+    from chatrl.rollout_records import recorded_steps, write_step
+    from tests.unit.test_certificate import _experience
+
+    for run, seed in (("a", 0), ("b", 1)):
+        trace = {"ratio": [torch.full((2, 4), 1.1)], "clip": [torch.tensor([[1, 0, 0, 0], [0, -1, 0, 0]], dtype=torch.int8)]}
+        write_step(tmp_path / run, 2, 0, 1, _experience(seed), trace,
+                   {"args": {}, "tokenizer": str(STORIES), "ppo_epochs": 1, "figures": {"actor_loss": 0.1}})
+    page = open_page(browser, write_inspector(tmp_path / "a", 2, tmp_path / "b").as_uri())
+    page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+    # 2 runs × (an answer of 3 tokens and its first pad, an answer of 2 and its pad)
+    assert page.locator(".sample").count() == 4 and page.locator(".t").count() == 2 * (4 + 3)
+    assert page.evaluate("document.body.dataset.colour") == "advantages"
+    page.check("input[value=clip]")
+    colours = page.evaluate("Array.from(document.querySelectorAll('.col')[0].querySelectorAll('.t'))"
+                            ".map(t => t.style.background)")
+    assert colours[0].startswith("rgba(214, 39, 40") and colours[5].startswith("rgba(31, 119, 180")  # upper, lower
+    assert colours[1] in ("transparent", "rgba(0, 0, 0, 0)")
+    page.check("input[value=mask]")
+    assert page.evaluate("document.body.dataset.colour") == "mask"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "inspector.png"), full_page=True)
+    assert page.errors == []
+    assert [u for u in page.requests if not u.startswith(("file:", "data:", "blob:"))] == []
+    page.close()
+    demo = os.environ.get("CHATRL_INSPECT_OUTPUT")
+    if demo:
+        from chatrl.rollout_records import resolve_output
+
+        page = open_page(browser, write_inspector(demo, recorded_steps(resolve_output(demo))[-1],
+                                                  path=tmp_path / "demo.html").as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+        page.check("input[value=logp_gap]")
+        page.screenshot(path=str(ARTIFACTS / "inspector_demo.png"), full_page=False)
+        assert page.errors == [] and page.locator(".sample").count() > 0
+        page.close()
