@@ -35,9 +35,9 @@ INDEX_FILE = "index.json"
 #: Per-token (or per-rollout) fields of an Experience kept in a record, in the inspector's order.
 TENSOR_FIELDS = ("sequences", "attention_mask", "action_mask", "sampler_logp", "logp", "ref_logp", "entropy",
                  "values", "kl", "rewards", "advantages", "returns", "is_weights", "scores", "weight_version",
-                 "weight_checksum")
+                 "weight_checksum", "turn_rewards", "turns")
 _INT8 = ("attention_mask", "action_mask")
-_KEEP_DTYPE = ("sequences", "weight_version", "weight_checksum")
+_KEEP_DTYPE = ("sequences", "weight_version", "weight_checksum", "turns")
 
 
 def resolve_output(output: str | os.PathLike) -> Path:

@@ -72,7 +72,8 @@ def recorded_experience(rank_record: dict, device) -> Experience:
     return Experience(t["sequences"], t["attention_mask"].long(), int(rank_record["prompt_len"]),
                       t["action_mask"].long(), t["sampler_logp"], t["scores"],
                       {k: v for k, v in t.items() if k.startswith("reward/")}, list(rank_record["metadata"]),
-                      t.get("weight_version"), t.get("weight_checksum"))
+                      weight_version=t.get("weight_version"), weight_checksum=t.get("weight_checksum"),
+                      turn_rewards=t.get("turn_rewards"), turns=t.get("turns"))
 
 
 def _first_difference(name: str, recorded: torch.Tensor, replayed: torch.Tensor | None, atol: float):

@@ -141,16 +141,23 @@ _COMMON_CANNOT = {
     "zero_stage": "layout (invariance test)", "offload": "placement", "local_rank": "set by the launcher",
     "trust_remote_code": "permission to run a hub model's code",
     "gradient_checkpointing": "recomputes activations: the same numbers",
+    # padding-free layout: the padded path's loss and gradient (tests/unit/test_packing_parity.py)
+    "packing": "layout: packed rows give the padded numbers (packing parity tests)",
+    "max_tokens_per_micro_batch": "layout: micro-batches by token budget give the step's loss and gradient "
+                                  "(packing parity tests)",
 }
 _SUPERVISED_CANNOT = {**_COMMON_CANNOT, "per_device_eval_batch_size": "evaluation", "eval_iters": "evaluation"}
 _EOS_CHECK = {"eval_eos_samples": "evaluation", "eval_max_new_tokens": "evaluation"}
 
 CANNOT_CHANGE: dict[str, dict[str, str]] = {
-    "sft": {**_SUPERVISED_CANNOT, **_EOS_CHECK},
+    "sft": {**_SUPERVISED_CANNOT, **_EOS_CHECK, "skip_template_check": "a start-up check",
+            "train_all_assistant_turns": "conversation rows only: the table's hh-rlhf rows are prompt/answer pairs "
+                                         "(every-turn training: tests/stages/test_multi_turn.py)"},
     "reward": {**_SUPERVISED_CANNOT, "num_padding_at_beginning": "accepted for DeepSpeed-Chat and ignored: the end "
                                                                   "score is read from the mask"},
     "dpo": {**_SUPERVISED_CANNOT, **_EOS_CHECK, "precompute_ref_log_probs": "the same reference log-probs, computed ahead",
-            "offload_reference_model": "placement", "partition_frozen_models": "placement of frozen models"},
+            "offload_reference_model": "placement", "partition_frozen_models": "placement of frozen models",
+            "save_hf_interval": "snapshots only"},
     "ppo": {**{k: v for k, v in _COMMON_CANNOT.items() if k not in ("zero_stage", "gradient_checkpointing")},
             "actor_zero_stage": "layout (invariance test)", "critic_zero_stage": "layout (invariance test)",
             "actor_gradient_checkpointing": "recomputes activations", "critic_gradient_checkpointing": "recomputes",
@@ -169,7 +176,12 @@ CANNOT_CHANGE: dict[str, dict[str, str]] = {
             "debug_stale_weights": "testing: the weight-version check stops the run (test_certificate)",
             "reward_http_timeout": "transport", "reward_http_retries": "transport",
             "reward_http_batch_size": "transport", "print_answers": "logging", "print_answers_interval": "logging",
-            "logp_diff_bound": "the certificate's bound", "save_rollouts": "records"},
+            "logp_diff_bound": "the certificate's bound", "save_rollouts": "records", "save_hf_interval": "snapshots only",
+            "skip_template_check": "a start-up check",
+            # multi-turn episodes need an environment and its rows (the table's runs have neither); their
+            # learning is tested by tests/stages/test_multi_turn.py
+            "env": "needs an environment's rows", "env_args": "needs --env", "max_turns": "needs --env",
+            "max_total_tokens": "needs --env"},
 }
 
 

@@ -219,7 +219,8 @@ def _experience(seed: int = 0):
     action = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     exp = Experience(torch.randint(3, 30, (B, P + A), generator=g), torch.ones(B, P + A, dtype=torch.long), P, action,
                      -torch.rand(B, A, generator=g), torch.tensor([0.5, -0.25]), {"reward/score_fn": torch.tensor([1.0, 2.0])},
-                     [{"id": 0}, {"id": 1}], torch.tensor([4, 4]), torch.tensor([0.125, 0.125], dtype=torch.float64))
+                     [{"id": 0}, {"id": 1}], weight_version=torch.tensor([4, 4]),
+                     weight_checksum=torch.tensor([0.125, 0.125], dtype=torch.float64))
     for name in ("ref_logp", "logp", "entropy", "kl", "advantages"):
         setattr(exp, name, torch.randn(B, A, generator=g) * action)
     return exp

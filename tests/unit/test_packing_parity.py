@@ -8,7 +8,7 @@
   the gradients of one learning step (actor and critic);
 
 and step 3's micro-batches cut by token budget give the gradient of the padded micro-batches for
-every global loss aggregation and for PPO (whose default aggregation adapts to ``token-mean``)."""
+every global loss aggregation, PPO's default (``token-mean``) included."""
 
 from types import SimpleNamespace
 
@@ -238,8 +238,8 @@ def tiny_llama_pair(path, tok):
 def test_step3_token_budget_micro_batches_give_the_padded_gradient(tiny_llama, algorithm, mode, packed):
     """Two optimizer steps of 4 rollouts (micro-batches of 2, accumulation 2) against the same steps cut
     by a 12-token budget (1 or 2 rollouts per micro-batch, packed or padded): the same actor and critic
-    gradients; DeepSpeed is told which micro-batch ends each step. PPO's unset aggregation adapts to
-    token-mean (its micro-batch mean would change with the cut)."""
+    gradients; DeepSpeed is told which micro-batch ends each step. PPO's unset aggregation is its
+    default, the step's token mean (nothing to adapt)."""
     from chatrl.step3_ppo.settings import Step3Settings
 
     path = str(tiny_llama)
@@ -255,10 +255,7 @@ def test_step3_token_budget_micro_batches_give_the_padded_gradient(tiny_llama, a
                                         rl_algorithm=algorithm, num_samples_per_prompt=4 if algorithm != "ppo" else 1,
                                         loss_agg_mode=mode, kl_in="loss", init_kl_coef=0.1),
                           packing=PackingConfig(packing=packed and budget > 0, max_tokens_per_micro_batch=budget))
-        note = s.fit_loss_aggregation_to_token_budget()
-        assert (note is not None) == (algorithm == "ppo" and budget > 0)
-        if algorithm == "ppo":
-            s.ppo.loss_agg_mode = "token-mean"  # the padded reference with the adapted aggregation
+        assert s.fit_loss_aggregation_to_token_budget() is None and s.ppo.loss_aggregation == (mode or "token-mean")
         actor, reference = tiny_llama_pair(path, tok)
         critic = None
         if algorithm == "ppo":

@@ -83,6 +83,7 @@ class ActorEngine(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.module = model
+        self.global_steps = 0  # the weight version the hybrid engine stamps rollouts with
 
     def forward(self, *args, **kw):
         return self.module(*args, **kw)
