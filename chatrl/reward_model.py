@@ -44,6 +44,7 @@ from chatrl.models import (
     position_ids_from_mask,
     torch_dtype,
 )
+from chatrl.precision import compute_in_fp32
 from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class RewardModel(nn.Module):
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(inner).__name__} has no one-output linear '{HEAD}' head; "
                              "build it with num_labels=1")
+        compute_in_fp32(head)  # scores and values in float32 whatever the backbone's dtype (docs/precision.md)
 
     @property
     def config(self):
@@ -173,7 +175,8 @@ class RewardModel(nn.Module):
             attention_mask: ``(B, T)``, 1 on real tokens, 0 on pads.
 
         Returns:
-            :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in the model's dtype;
+            :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in float32 whatever the
+            backbone's dtype (the head runs in float32: :func:`chatrl.precision.compute_in_fp32`);
             ``values`` is 0 at pad positions.
         """
         inner = base_model(self.hf)

@@ -24,25 +24,28 @@ from pathlib import Path
 
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.models import load_tokenizer
+from chatrl.models import load_tokenizer, torch_dtype
+from chatrl.precision import resolve_dtype
 
 ROLES = ("system", "user", "assistant")
 
 
 class ChatModel:
-    """One loaded model folder: tokenizer (left padding), causal LM in eval mode, context window.
+    """One loaded model folder: tokenizer (left padding), causal LM in eval mode (in ``dtype``: fp32, bf16 or
+    fp16, chat.py's --dtype resolved), context window.
 
     Raises:
         OSError / FileNotFoundError: ``path`` holds no loadable model (from transformers / chatrl.models).
     """
 
-    def __init__(self, path: str, device: str, trust_remote_code: bool = False):
+    def __init__(self, path: str, device: str, trust_remote_code: bool = False, dtype: str = "fp32"):
         from transformers import AutoModelForCausalLM
 
 
         self.path, self.name = path, _short_name(path)
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                          dtype=torch_dtype(dtype)).to(device).eval()
         self.device = device
         self.context = getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length
         templated = uses_chat_template(self.tokenizer)
@@ -185,7 +188,8 @@ def serve(args) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    models = [ChatModel(p, device, args.trust_remote_code) for p in [args.path, args.compare] if p]
+    dtype = resolve_dtype(getattr(args, "dtype", "fp32"), torch.device(device).type)[0]
+    models = [ChatModel(p, device, args.trust_remote_code, dtype) for p in [args.path, args.compare] if p]
     defaults = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0 if args.greedy else args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "repetition_penalty": args.repetition_penalty,
                 "system_prompt": args.system_prompt}

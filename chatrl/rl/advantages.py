@@ -194,6 +194,7 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Al
     ``out = (x - mean) / sqrt(var + core.WHITEN_EPS)``, mean and unbiased variance over every valid
     position of every rank's ``x`` (two all-reduces: count and sum, then squared deviations). On
     one rank (``all_reduce_sum=None``) it equals :func:`core.masked_whiten`. Masked positions are 0.
+    Computed in float64; returned in float32 or wider (a bf16 ``x`` is not rounded back to bf16).
 
     Args:
         x: ``(B, A)``. mask: ``(B, A)``, non-zero = valid.
@@ -214,7 +215,7 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Al
         n, mean = s[0], s[1] / s[0].clamp(min=1)
         sq = reduce(core.masked_sum((x.to(dtype) - mean) ** 2, valid).reshape(1))[0]
         var = torch.where(n > 1, sq / (n - 1).clamp(min=1), sq / n.clamp(min=1))
-        out = ((x.to(dtype) - mean) * torch.rsqrt(var + core.WHITEN_EPS)).to(x.dtype)
+        out = ((x.to(dtype) - mean) * torch.rsqrt(var + core.WHITEN_EPS)).to(float_dtype(x))
         return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 

@@ -224,7 +224,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
         shift_mean: subtract the mean (True) or keep it (False).
 
     Returns:
-        Same shape and dtype as ``x``.
+        Same shape as ``x``; float32 or wider (a bf16 ``x`` is promoted before the statistics).
 
     Raises:
         ValueError: shapes differ.
@@ -233,6 +233,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     2020 / Huang et al. 2022 ("The 37 implementation details of PPO", detail 7).
     """
     valid = valid_mask(mask)
+    x = x.to(float_dtype(x))
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=True)
     out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
@@ -262,7 +263,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
         kind: one of :data:`KL_KINDS`.
 
     Returns:
-        ``(B, A)`` in nats.
+        ``(B, A)`` in nats, float32 or wider (bf16 inputs are promoted first).
 
     Raises:
         ValueError: unknown ``kind`` or shape mismatch.
@@ -270,7 +271,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
     Source: J. Schulman, "Approximating KL divergence" (2020 blog post), estimators k1, k2, k3.
     """
     check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
-    diff = logp - ref_logp
+    dtype = float_dtype(logp, ref_logp)
+    diff = logp.to(dtype) - ref_logp.to(dtype)
     if kind == "k1":
         return diff
     if kind == "k3":
@@ -454,7 +456,7 @@ def critic_loss(
             clipping (plain 0.5 * squared error).
 
     Returns:
-        ``(loss, stats)``: 0-dim loss (0 when no token is valid); ``stats["value_clip_frac"]``,
+        ``(loss, stats)``: 0-dim loss, float32 or wider (0 when no token is valid); ``stats["value_clip_frac"]``,
         detached: fraction of action tokens where the clipped term is strictly larger (its
         gradient is then 0).
 
@@ -472,10 +474,11 @@ def critic_loss(
     if clip_value is not None and not clip_value > 0:
         raise ValueError(f"critic_loss: clip_value must be > 0 or None, got {clip_value}")
     valid = valid_mask(action_mask)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    v = torch.where(valid, values, zero)
-    old = torch.where(valid, old_values.detach(), torch.zeros_like(old_values))
-    ret = torch.where(valid, returns.detach(), torch.zeros_like(returns))
+    dtype = float_dtype(values, old_values, returns)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    v = torch.where(valid, values.to(dtype), zero)
+    old = torch.where(valid, old_values.detach().to(dtype), zero)
+    ret = torch.where(valid, returns.detach().to(dtype), zero)
     unclipped = (v - ret) ** 2
     if clip_value is None:
         clipped = unclipped

@@ -29,7 +29,7 @@ from chatrl.checkpoint import (
 )
 from chatrl.data import PromptCollator, SFTCollator, phase_data
 from chatrl.hybrid_engine import HybridEngine
-from chatrl.models import check_context_window, load_tokenizer, sampling_settings, stop_token_ids
+from chatrl.models import check_context_window, load_tokenizer, sampling_settings, stop_token_ids, torch_dtype
 from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, WeightedReward, build_reward
@@ -187,6 +187,7 @@ def build(args, score_fn=None) -> Step3Run:
                   f"{s.ppo.samples_per_prompt} answers per rank × {info.world_size} ranks, {s.ppo.ppo_epochs} "
                   f"epoch(s), {plan.actor_steps} actor optimizer steps, {critic_desc}; actor "
                   f"ZeRO-{s.actor_zero.zero_stage}, hybrid engine {'on' if s.hybrid.enable_hybrid_engine else 'off'}; "
+                  f"{s.actor.dtype_note}{', fp32 LM head' if s.actor.fp32_lm_head else ''}; "
                   f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
                   + (f" (reward model {reward_path})" if reward_path else ""))
     trained = {"actor": engines.actor, **({"critic": engines.critic} if engines.critic is not None else {})}
@@ -277,7 +278,7 @@ def train(run: Step3Run) -> dict:
     if engines.critic is not None:
         save_reward_model(engines.critic.module, tokenizer, f"{out}/critic")
     if engines.ema is not None:
-        save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema")
+        save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema", dtype=torch_dtype(s.actor.dtype))
     if info.is_main:
         write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(run.args)})
     return metrics
