@@ -8,18 +8,26 @@ import pytest
 from tests.launch import run_ranks
 
 
+# The fp32 run's gain (mean score of the last five steps minus the first step's), measured 2026-12-01:
+# 0.73 -> 1.36. bf16 must reach 90% of it.
+PPO_FP32_GAIN = 0.63
+
+
 @pytest.mark.slow
-def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path, dtype):
     result = tmp_path / "ppo.json"
-    run_ranks(["tests/stages/ppo_worker.py", str(result), str(tmp_path), "--steps", "30", "--hybrid"], timeout=600)
+    run_ranks(["tests/stages/ppo_worker.py", str(result), str(tmp_path), "--steps", "30", "--hybrid", "--",
+               "--dtype", dtype], timeout=600)
     res = json.loads(result.read_text())
     first = res["first"]
-    # actor == reference with dropout 0.1 in the config: eval-mode passes give exact equality
+    # actor == reference with dropout 0.1 in the config: eval-mode passes give exact equality, in bf16 too
     assert first["max_abs_kl"] == 0.0 and first["logp_equals_ref"]
     assert first["ratio_mean"] == 1.0 and first["clip_frac"] == 0.0 and first["approx_kl"] == 0.0
     reward, kl = res["reward"], res["kl"]
     end = sum(reward[-5:]) / 5
-    assert end > reward[0] + 0.4, reward  # seen: 0.73 -> 1.36
+    print(f"PPO {dtype}: score {reward[0]:.3f} -> {end:.3f} (last five), KL max {max(kl):.2f}")
+    assert end > reward[0] + (0.4 if dtype == "fp32" else 0.9 * PPO_FP32_GAIN), reward  # fp32 seen: 0.73 -> 1.36
     assert max(kl) < 8.0, kl  # seen: at most 4.2 nats per answer with beta 0.3
 
 
