@@ -46,7 +46,7 @@ def run_cell(work: Path, dtype: str, tp: int, zero: int, head: bool, a) -> dict:
            f"{Path(__file__).resolve()}:share_of_e", "--max_prompt_seq_len", "32", "--max_answer_seq_len",
            str(a.answer), "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "16",
            "--actor_learning_rate", "5e-4", "--num_warmup_steps", "0", "--lr_scheduler_type", "constant",
-           "--init_kl_coef", "0.05", "--max_steps", str(a.steps), "--actor_zero_stage", str(zero),
+           "--init_kl_coef", "0.05", "--max_steps", str(a.steps), "--num_train_epochs", "10", "--actor_zero_stage", str(zero),
            "--enable_hybrid_engine", "--inference_tp_size", str(tp), "--dtype", dtype, "--seed", str(a.seed),
            *(["--fp32_lm_head"] if head else [])]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",

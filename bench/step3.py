@@ -18,7 +18,8 @@ helpful-base test prompts left-truncated to 128 tokens, 64-token answers at temp
 prompts per rank, 2 ranks, ``--steps`` PPO steps, 1 epoch, fp32, hybrid engine on, started by the
 DeepSpeed launcher, at each of ``--stages``; with ``--trl_python`` (the TRL 1.12 venv of
 ``../shared/baselines/trl/setup_venv.sh``) TRL's ``PPOTrainer`` runs the same set-up under torchrun
-(``../shared/baselines/trl/scripts/ppo.py``). Runs are interleaved, ``--repeats`` times; the JSON
+(``../shared/baselines/trl/scripts/ppo.py``). ``--dtype bf16``: chatrl at ``--dtype bf16`` and TRL with
+``bf16=True`` (its mixed precision; ``bench/peers/trl_bf16.py``); fp32 otherwise. Runs are interleaved, ``--repeats`` times; the JSON
 gives per mode the median (and range) of rollouts/s inside the loop, launch-to-exit seconds, the
 phase split and the peak resident memory of each rank (``VmHWM``, polled), and ratios against TRL.
 
@@ -182,7 +183,8 @@ def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
            "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
            "--max_steps", str(a.steps), "--num_warmup_steps", "0", "--temperature", "0.7",
            "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage), "--enable_hybrid_engine",
-           "--seed", "1", "--disable_progress_bar", "--log_interval", "1", "--output_dir", str(out / "out")]
+           "--seed", "1", "--disable_progress_bar", "--log_interval", "1", "--output_dir", str(out / "out"),
+           "--dtype", a.dtype]
     wall, peaks = _launch(cmd, env, str(out / "out"), out.with_suffix(".log"), a.timeout)
     rows = [json.loads(x) for x in (out / "out/logs/metrics.jsonl").read_text().splitlines()]
     per_step = [r["samples"] - (rows[i - 1]["samples"] if i else 0) for i, r in enumerate(rows)]  # --log_interval 1
@@ -198,7 +200,8 @@ def run_trl(setup: dict, out: Path, a) -> dict:
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_DISABLED": "true", "TRL_EXPERIMENTAL_SILENCE": "1"}
     env.pop("PYTHONPATH", None)
-    cmd = [a.trl_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+    bf16 = [str(Path(__file__).resolve().parent / "peers" / "trl_bf16.py")] if a.dtype == "bf16" else []
+    cmd = [a.trl_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *bf16, str(script),
            "--policy", setup["sft"], "--reward", setup["rm"], "--out", str(out / "model"),
            "--metrics-dir", str(out), "--updates", str(a.steps)]
     wall, peaks = _launch(cmd, env, str(out / "model"), out.with_suffix(".log"), a.timeout)
@@ -241,7 +244,8 @@ def side_by_side(a) -> dict:
                 "rollouts_per_s": round(res[m]["rollouts_per_s"]["median"] / trl["rollouts_per_s"]["median"], 3),
                 "launch_to_exit_speedup": round(trl["launch_to_exit_s"]["median"] / res[m]["launch_to_exit_s"]["median"],
                                                 3)}
-    return {"bench": "step3_side_by_side", "actor": f"tiny-opt-h{a.hidden}-l{a.layers}", "ranks": 2,
+    return {"bench": "step3_side_by_side", "actor": f"tiny-opt-h{a.hidden}-l{a.layers}", "dtype": a.dtype,
+            "date": time.strftime("%Y-%m-%d"), "ranks": 2,
             "prompts_per_rank": 4, "prompt": 128, "answer": a.answer, "steps": a.steps, "repeats": a.repeats,
             "load_avg_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), "modes": res}
 
@@ -264,6 +268,8 @@ def main() -> None:
     p.add_argument("--work_dir", default=None,
                    help="keep the side-by-side models, outputs and launch logs here (default: a temporary folder)")
     p.add_argument("--trl_python", default=None, help="python of the TRL 1.12 venv (adds TRL's PPOTrainer)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="--side_by_side: chatrl's --dtype; bf16 runs TRL with bf16=True (bench/peers/trl_bf16.py)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     p.add_argument("--algorithms", nargs="+", default=None, choices=algorithms.names(),
                    help="compare these step-3 algorithms (hybrid engine on) instead of hybrid on/off")

@@ -8,7 +8,8 @@ The set-up, identical on both sides: a tiny random OPT (hidden 64, 2 layers, 4 h
 BPE with a separate pad token), hh-rlhf helpful-base pairs 0–999 for training and 1000–1199 for the
 reward model's eval accuracy, sequences of 256 tokens (SFT, reward), prompts of 128 and answers of
 64 tokens (PPO, temperature 0.7, one PPO epoch, one mini-batch), batch 4 per rank, 2 CPU ranks (gloo,
-one thread each), fp32. TRL runs under ``torchrun`` in its own venv (``setup_trl_venv.sh``, made or
+one thread each), fp32 (``--dtype bf16``: chatrl at ``--dtype bf16``, TRL's trainers with ``bf16=True``).
+TRL runs under ``torchrun`` in its own venv (``setup_trl_venv.sh``, made or
 reused first); chatrl runs its step programs under the DeepSpeed launcher, ZeRO-0 (like TRL's DDP).
 Runs are interleaved (TRL, chatrl, TRL, chatrl, …) so that load on the machine hits both alike.
 
@@ -90,7 +91,7 @@ def run_trl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
     cmd = [str(Path(a.trl_venv) / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
            "--master_port", str(free_port()), str(HERE / "trl_stage.py"), stage, "--model", str(paths["model"]),
            "--reward_model", str(paths["rm"]), "--data", str(work), "--out", str(d / "out"),
-           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH)]
+           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH), "--dtype", a.dtype]
     wall = _launch(cmd, d / "log", a.timeout)
     return {**json.loads((d / "result.json").read_text()), "wall_s": wall}
 
@@ -101,7 +102,7 @@ def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
     d = work / f"chatrl_{stage}_{tag}"
     data = [f"{HH}[0:1000]"]
     common = ["--data_output_path", str(work / "chatrl_cache"), "--disable_progress_bar", "--seed", "1",
-              "--output_dir", str(d / "out")]
+              "--output_dir", str(d / "out"), "--dtype", a.dtype]
     if stage == "sft":
         flags = ["--model_name_or_path", str(paths["model"]), "--data_path", *data, "--data_split", "10,0,0",
                  "--max_seq_len", "256", "--per_device_train_batch_size", str(BATCH), "--learning_rate", "1e-3",
@@ -179,6 +180,8 @@ def main() -> None:
     p.add_argument("--trl_venv", default=os.environ.get("TRL_VENV", "/tmp/trl_cpu/venv"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: chatrl at --dtype bf16, TRL's trainers with bf16=True (HF mixed precision)")
     p.add_argument("--keep", help="keep the work folder (logs, outputs) here instead of a temporary one")
     a = p.parse_args()
     subprocess.run(["bash", str(HERE / "setup_trl_venv.sh")], check=True, env={**os.environ, "TRL_VENV": a.trl_venv},
@@ -214,7 +217,7 @@ def report(a, started: str, load_before, runs: list[dict], partial: bool = False
             "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
                       "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
                       "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
-                      "answer_len": 64, "dtype": "fp32", "chatrl_zero_stage": 0, "steps":
+                      "answer_len": 64, "dtype": a.dtype, "chatrl_zero_stage": 0, "steps":
                       {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps},
                       "samples_per_s": "training loop, end of step 1 to end of last step"},
             "stages": summarise(runs), "runs": runs}

@@ -8,9 +8,11 @@ import pytest
 from tests.launch import run_ranks
 
 
-# The fp32 run's gain (mean score of the last five steps minus the first step's), measured 2026-12-01:
-# 0.73 -> 1.36. bf16 must reach 90% of it.
-PPO_FP32_GAIN = 0.63
+# The gain (mean score of the last five steps minus the first step's), measured 2026-12-01 with seeds
+# 1234 (this test's), 1 and 2: fp32 0.496, 0.533, 0.464 (mean 0.498); bf16 0.393, 0.530, 0.485 (mean
+# 0.469, 94% of fp32's). One run's gain varies by about +-0.07 with the seed in either dtype, so a
+# single bf16 run is held to 75% of this seed's fp32 gain; the mean over seeds is docs/precision.md's.
+PPO_FP32_GAIN = 0.496
 
 
 @pytest.mark.slow
@@ -27,7 +29,7 @@ def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path, dtype)
     reward, kl = res["reward"], res["kl"]
     end = sum(reward[-5:]) / 5
     print(f"PPO {dtype}: score {reward[0]:.3f} -> {end:.3f} (last five), KL max {max(kl):.2f}")
-    assert end > reward[0] + (0.4 if dtype == "fp32" else 0.9 * PPO_FP32_GAIN), reward  # fp32 seen: 0.73 -> 1.36
+    assert end > reward[0] + (0.4 if dtype == "fp32" else 0.75 * PPO_FP32_GAIN), reward  # fp32 seen: 0.75 -> 1.25
     assert max(kl) < 8.0, kl  # seen: at most 4.2 nats per answer with beta 0.3
 
 
