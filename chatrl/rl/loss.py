@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from chatrl.errors import UsageError
 from chatrl.logprobs import float_dtype
 from chatrl.rl import core
 
@@ -71,6 +72,27 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, act
     return rollout_is_weights(old_logp, sampler_logp, action_mask, level="token", mode="truncate", cap=cap)[0]
 
 
+def check_rollout_is(level: str, mode: str, cap: float, cap_low: float | None) -> float:
+    """Check the importance-weight settings (``--rollout_is_level``, ``--rollout_is_mode``,
+    ``--rollout_is_cap``, ``--rollout_is_cap_low``) and return the band's lower bound (``1 / cap`` when
+    unset). Step 3 calls it before loading any model.
+
+    Raises:
+        UsageError: naming the flag: an unknown level or mode, ``cap < 1`` or ``cap_low`` outside ``(0, 1]``.
+    """
+    if level not in ROLLOUT_IS_LEVELS:
+        raise UsageError(f"--rollout_is_level must be one of {ROLLOUT_IS_LEVELS}, got {level!r}")
+    if mode not in ROLLOUT_IS_MODES:
+        raise UsageError(f"--rollout_is_mode must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
+    if not cap >= 1:
+        raise UsageError(f"--rollout_is_cap must be >= 1 (the band's upper bound; 0 turns the correction off), "
+                         f"got {cap}")
+    cap_low = 1.0 / cap if cap_low is None else cap_low
+    if not 0 < cap_low <= 1:
+        raise UsageError(f"--rollout_is_cap_low must be in (0, 1], got {cap_low}")
+    return cap_low
+
+
 def rollout_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, action_mask: torch.Tensor, *,
                        level: str = "token", mode: str = "truncate", cap: float = 2.0,
                        cap_low: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +123,8 @@ def rollout_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, actio
         above ``cap``), for the share that the correction changed.
 
     Raises:
-        ValueError: shape mismatch, an unknown level or mode, ``cap < 1`` or ``cap_low`` outside ``(0, 1]``.
+        ValueError: shape mismatch; :class:`chatrl.errors.UsageError` (a ValueError) from
+            :func:`check_rollout_is` for bad settings.
 
     Source: Yao et al. 2025 (truncated importance sampling, token level); Zheng et al. 2025 (GSPO,
     the length-normalised sequence ratio); veRL's rollout importance sampling (levels token,
@@ -110,15 +133,7 @@ def rollout_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, actio
     core.check_same_shape("rollout_is_weights", old_logp=old_logp, sampler_logp=sampler_logp,
                            action_mask=action_mask)
     core.check_2d("rollout_is_weights", old_logp=old_logp)
-    if level not in ROLLOUT_IS_LEVELS:
-        raise ValueError(f"rollout_is_weights: unknown level {level!r}; expected one of {ROLLOUT_IS_LEVELS}")
-    if mode not in ROLLOUT_IS_MODES:
-        raise ValueError(f"rollout_is_weights: unknown mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
-    if not cap >= 1:
-        raise ValueError(f"rollout_is_weights: cap (--rollout_is_cap) must be >= 1, got {cap}")
-    cap_low = 1.0 / cap if cap_low is None else cap_low
-    if not 0 < cap_low <= 1:
-        raise ValueError(f"rollout_is_weights: cap_low (--rollout_is_cap_low) must be in (0, 1], got {cap_low}")
+    cap_low = check_rollout_is(level, mode, cap, cap_low)
     with torch.no_grad():
         valid = core.valid_mask(action_mask)
         dtype = float_dtype(old_logp, sampler_logp)

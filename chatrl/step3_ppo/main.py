@@ -34,6 +34,7 @@ from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, WeightedReward, build_reward
 from chatrl.rl import core
+from chatrl.rl.loss import check_rollout_is
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
@@ -135,6 +136,8 @@ def build(args, score_fn=None) -> Step3Run:
     s: Step3Settings = config.read(Step3Settings, args)
     algorithm, rollout = s.algorithm, s.rollout
     sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)  # bad flags fail before loading
+    if s.ppo.rollout_is_cap:
+        check_rollout_is(s.ppo.rollout_is_level, s.ppo.rollout_is_mode, s.ppo.rollout_is_cap, s.ppo.rollout_is_cap_low)
     critic_source = s.critic_source()  # before the reward: PPO without any reward names the critic first
     reward_path = s.reward_model_path() if score_fn is None else None
     check_context_window([s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],

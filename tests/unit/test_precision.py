@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from chatrl import precision
 from chatrl.config import ModelConfig, PPOConfig
+from chatrl.errors import UsageError
 from chatrl.logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, global_masked_whiten
@@ -276,8 +277,9 @@ def test_sequence_and_geometric_weights_by_hand():
     w, _ = rollout_is_weights(torch.full((1, 4000), 0.1), torch.zeros(1, 4000), torch.ones(1, 4000),
                               level="sequence", mode="truncate", cap=3.0)
     assert torch.equal(w, torch.full((1, 4000), 3.0))
-    for bad in ({"cap": 0.5}, {"cap": 2.0, "cap_low": 1.5}, {"level": "word"}, {"mode": "clip"}):
-        with pytest.raises(ValueError):
+    for bad, flag in (({"cap": 0.5}, "--rollout_is_cap "), ({"cap": 2.0, "cap_low": 1.5}, "--rollout_is_cap_low"),
+                      ({"level": "word"}, "--rollout_is_level"), ({"mode": "clip"}, "--rollout_is_mode")):
+        with pytest.raises(UsageError, match=flag):
             rollout_is_weights(old, sampler, mask, **{"cap": 2.0, **bad})
 
 
