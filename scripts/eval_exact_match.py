@@ -17,16 +17,18 @@ from pathlib import Path
 import torch
 
 
-def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_size: int = 64) -> float:
-    """Share of ``rows`` whose greedy answer's final number equals ``row["reference"]``."""
+def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_size: int = 64,
+             dtype: str | None = None) -> float:
+    """Share of ``rows`` whose greedy answer's final number equals ``row["reference"]``; the model in
+    ``dtype`` (``fp32``, ``bf16``; default: the dtype it was saved in)."""
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.formatting import encode_prompt
-    from chatrl.models import load_tokenizer
+    from chatrl.models import load_tokenizer, torch_dtype
     from chatrl.rewards.builtin import exact_match
 
     tok = load_tokenizer(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype) if dtype else "auto").eval()
     hits = 0.0
     for i in range(0, len(rows), batch_size):
         part = rows[i:i + batch_size]
@@ -47,12 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="HF folder of the model (e.g. step 3's actor/)")
     p.add_argument("--data", required=True, help="JSONL prompt rows with 'prompt' and 'reference'")
     p.add_argument("--max_new_tokens", type=int, default=6, help="answer tokens")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="the model's dtype (default: as saved)")
     a = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(a.data).read_text().splitlines() if x.strip()]
     bad = [i for i, r in enumerate(rows) if "prompt" not in r or "reference" not in r]
     if bad:
         sys.exit(f"{a.data}: rows {bad[:5]} lack 'prompt' or 'reference'")
-    print(json.dumps({"accuracy": evaluate(a.model, rows, a.max_new_tokens), "n": len(rows), "model": a.model}))
+    print(json.dumps({"accuracy": evaluate(a.model, rows, a.max_new_tokens, dtype=a.dtype), "n": len(rows),
+                      "model": a.model}))
 
 
 if __name__ == "__main__":
