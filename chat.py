@@ -36,7 +36,9 @@ from chatrl.models import (
         load_tokenizer,
         sampling_settings,
         stop_token_ids,
+        torch_dtype,
     )
+from chatrl.precision import resolve_dtype
 from chatrl.web_chat import serve
 
 
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = config.new_parser(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_block(p, ChatConfig)
     config.add_block(p, config.SamplingConfig, defaults={"temperature": 0.7, "top_p": 0.9})
-    config.add_block(p, config.ModelConfig, only=("trust_remote_code",))
+    config.add_block(p, config.ModelConfig, only=("trust_remote_code", "dtype"), defaults={"dtype": "auto"})
     config.add_block(p, config.EnvConfig, only=("env", "env_args", "max_turns"), title="tools of an environment")
     config.add_block(p, WebChatConfig, title='web chat (pip install -e ".[web]")')
     return p
@@ -115,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         build_parser().error(str(e))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.path, trust_remote_code=args.trust_remote_code).to(device).eval()
+    dtype, why = resolve_dtype(args.dtype, torch.device(device).type)
+    model = AutoModelForCausalLM.from_pretrained(args.path, trust_remote_code=args.trust_remote_code,
+                                                 dtype=torch_dtype(dtype)).to(device).eval()
     window = context_window(model.config) or tokenizer.model_max_length
     budget = max(1, window - args.max_new_tokens)  # >= 1 checked above when the config names its window
     if args.seed is not None:
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             build_parser().error(str(e))
         return tool_chat(session, model, tokenizer, args, sampling, budget, interactive)
     history: list[dict] = []
-    print(f"chatrl chat: {args.path} (context {window} tokens). Type 'clear' to reset, 'quit' to leave.", flush=True)
+    print(f"chatrl chat: {args.path} (context {window} tokens, {dtype}{f' ({why})' if why else ''}). "
+          "Type 'clear' to reset, 'quit' to leave.", flush=True)
     while True:
         try:
             text = input("\nHuman: " if interactive else "")

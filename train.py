@@ -53,6 +53,7 @@ from chatrl.errors import UsageError
 from chatrl.eval.main import build_parser as eval_parser
 from chatrl.eval.settings import EvalPipelineConfig
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
+from chatrl.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.report import report_note
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
@@ -132,12 +133,13 @@ def with_packing(presets: Presets, actor: str, reward: str) -> Presets:
 
 
 def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: int | None,
-                reward_zero: int | None) -> Presets:
+                reward_zero: int | None, dtype: str = "auto") -> Presets:
     """Batch sizes, ZeRO stages, LoRA and offload for the model sizes and deployment.
 
     The figures follow DeepSpeed-Chat's published training scripts: ZeRO-3 and LoRA for large
     actors, gradient checkpointing above ~1B parameters, CPU offload of optimizer states and the
-    reference model for actors that do not fit (e.g. 13B on one GPU, 66B+ on one node).
+    reference model for actors that do not fit (e.g. 13B on one GPU, 66B+ on one node). ``dtype``
+    (``--dtype``) is every step's: ``auto`` is bf16 where the device runs it natively, else fp32.
     """
     gpus = {"single_gpu": 1, "single_node": 8, "multi_node": 64, "cpu": 2}[deployment]
     big = actor_b >= 6
@@ -146,7 +148,6 @@ def size_preset(actor_b: float, reward_b: float, deployment: str, actor_zero: in
     offload = (deployment == "single_gpu" and actor_b >= 6) or (deployment == "single_node" and actor_b >= 30)
     mb = 1 if actor_b >= 30 else 2 if big else 4 if actor_b >= 1 else 8
     lora = actor_b >= 1.3
-    dtype = "bf16" if deployment != "cpu" else "fp32"
     step1 = {"zero_stage": az, "dtype": dtype, "per_device_train_batch_size": mb, "per_device_eval_batch_size": mb,
              "learning_rate": "9.65e-6" if actor_b >= 1 else "1e-4", "num_train_epochs": 1 if big else 2,
              "save_interval": 200, "lora_dim": 128 if lora else None, "lora_module_name": "layers." if lora else None,
@@ -227,6 +228,9 @@ class PipelineConfig:
     master_addr: str | None = setting(None, "multi_node: address of the node running global rank 0 (default: the "
                                             "hostfile's first host)", type=str)
     overwrite: bool = setting(False, "redo steps whose output already holds a finished run")
+    dtype: str = setting("auto", "every step's --dtype; auto: bf16 where the device computes it natively (a CUDA "
+                                 "device with bf16, a CPU with AVX512-BF16 or AMX), else fp32 (docs/precision.md)",
+                         choices=DTYPE_CHOICES)
     step1_args: str = setting("", "extra flags for step 1, as one quoted string (local paths in them are read from "
                                   "the folder train.py is run from)")
     step2_args: str = setting("", "extra flags for step 2, as one quoted string")
@@ -533,10 +537,12 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         actor = resolve_model(a.actor_model)
         reward = resolve_model(a.reward_model) if a.reward_model else actor
         presets = size_preset(size_in_billions(actor), size_in_billions(reward), deployment,
-                              a.actor_zero_stage, a.reward_zero_stage)
+                              a.actor_zero_stage, a.reward_zero_stage, a.dtype)
         for s in (1, 2, 3):  # every step's parser has --data_path (DataConfig)
             presets[s] = {"data_path": a.data_path or DEFAULT_DATA, **presets[s]}
     presets = with_packing(presets, actor, reward)
+    for preset in presets.values():  # a preset that pins a dtype keeps it
+        preset.setdefault("dtype", a.dtype)
     if (a.node_rank is not None or a.master_addr) and deployment != "multi_node":
         raise SystemExit("train.py: --node-rank and --master-addr are for --deployment-type multi_node")
     cmd, env = launcher(deployment, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
@@ -545,7 +551,9 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
     models = {1: {"model_name_or_path": actor}, 2: {"model_name_or_path": reward},
               3: {"actor_model_name_or_path": str(dirs[1]),
                   "critic_model_name_or_path": None if skip2 else str(dirs[2]), **rl_flags}}
+    dtypes = {resolve_dtype(p["dtype"], "cpu" if deployment == "cpu" else None) for p in presets.values()}
     messages = [f"train.py: steps {steps} → {out} ({deployment}; actor {actor}; "
+                f"{', '.join(d + (f' ({why})' if why else '') for d, why in sorted(dtypes))}; "
                 f"{'reward ' + reward if not skip2 else 'step 3 ' + settings.rl.rl_algorithm})"]
     if skip2:
         messages.append(skip2)

@@ -11,8 +11,16 @@
    ``bytes/step = 2·params + 2·layers·hidden·batch·context·2`` (bf16, K and V; ``context`` averaged
    over the steps), and the bandwidth reached is ``steps · bytes/step / generate seconds``.
 
+4. step 3 in bf16 on one GPU (``python -m chatrl.step3_ppo``, DeepSpeed-Chat's single-GPU set-up): a
+   random-weight actor of OPT-1.3B's shape and a reward model and critic of OPT-350M's (hidden 1024,
+   24 layers, 512-wide embeddings projected in and out), 256-token prompts and up to 256 new tokens,
+   PPO with the hybrid engine, ZeRO-0, ``--step3-batch`` rollouts per step; reports samples/s (the
+   loop's, the first step left out) and generated tokens/s (answer tokens over the generation phase's
+   seconds). DeepSpeed-Chat's own figure for this set-up is about 3.1 samples/s on one A100-80G; the
+   goal on one H200 is 7.5.
+
 Writes one JSON summary (``--out``) and prints it. Exit code 0 only when every test passed and the
-benchmark ran.
+benchmarks ran.
 """
 
 from __future__ import annotations
@@ -87,6 +95,88 @@ def run_bench(a, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+OPT_350M = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "ffn_dim": 4096,
+            "word_embed_proj_dim": 512}
+DS_CHAT_A100_SAMPLES_PER_S = 3.1  # DeepSpeed-Chat's step 3, OPT-1.3B + OPT-350M, one A100-80G
+
+
+def make_step3_models(work: Path) -> dict:
+    """Random-weight OPT-1.3B-shaped actor and OPT-350M-shaped reward model (also the critic), bf16, the
+    GPT-2 tokenizer with a separate pad; 512 prompt rows of at least 256 tokens (left-cut to 256)."""
+    import torch
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
+
+    shared = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
+    tok = AutoTokenizer.from_pretrained(shared / "tokenizers" / "gpt2")
+    tok.add_special_tokens({"pad_token": "<pad>"})
+    vocab = len(tok) + (-len(tok)) % 8
+    common = dict(vocab_size=vocab, max_position_embeddings=2048, pad_token_id=tok.pad_token_id,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        actor = OPTForCausalLM(OPTConfig(hidden_size=OPT_1_3B["hidden"], num_hidden_layers=OPT_1_3B["layers"],
+                                         num_attention_heads=OPT_1_3B["heads"], ffn_dim=4 * OPT_1_3B["hidden"],
+                                         word_embed_proj_dim=OPT_1_3B["hidden"], **common)).to(torch.bfloat16)
+        actor.save_pretrained(work / "actor")
+        del actor
+        rm = OPTForSequenceClassification(OPTConfig(num_labels=1, **OPT_350M, **common)).to(torch.bfloat16)
+        rm.save_pretrained(work / "reward")
+        del rm
+    torch.cuda.empty_cache()
+    for name in ("actor", "reward"):
+        tok.save_pretrained(work / name)
+    words = " ".join(f"topic{i} and the question of number {i}" for i in range(60))
+    rows = [json.dumps({"prompt": f"\n\nHuman: {i}: {words}\n\nAssistant:"}) for i in range(512)]
+    (work / "prompts.jsonl").write_text("\n".join(rows) + "\n")
+    return {"actor": str(work / "actor"), "reward": str(work / "reward"), "prompts": str(work / "prompts.jsonl")}
+
+
+def step3_figures(rows: list[dict], skip: int = 1) -> dict:
+    """samples/s and generated tokens/s of step 3's metrics rows (one per step), the first ``skip`` left out:
+    samples/s = rollouts / loop seconds (each row's rollouts over its ``samples_per_s``); generated
+    tokens/s = sum of ``answer_len × rollouts`` over the sum of ``time/generate``."""
+    rows = [r for r in rows if "samples_per_s" in r]
+    per_step = [r["samples"] - (rows[i - 1]["samples"] if i else 0) for i, r in enumerate(rows)]
+    kept = list(zip(per_step, rows, strict=True))[skip:]
+    samples = sum(n for n, _ in kept)
+    loop_s = sum(n / r["samples_per_s"] for n, r in kept)
+    tokens = sum(n * r["answer_len"] for n, r in kept)
+    return {"steps": len(kept), "samples_per_s": samples / loop_s,
+            "generated_tokens_per_s": tokens / sum(r["time/generate"] for _, r in kept),
+            "answer_len": tokens / samples, "phase_s": {k: round(sum(r[f"time/{k}"] for _, r in kept), 2)
+                                                        for k in ("generate", "experience", "train")}}
+
+
+def run_step3(a, work: Path, timeout: float) -> dict:
+    t0 = time.time()
+    try:
+        m = make_step3_models(work / "step3_models")
+    except Exception as e:  # noqa: BLE001 - reported in the summary, the other checks still count
+        return {"error": f"building the models: {type(e).__name__}: {e}"}
+    out = work / "step3_out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "chatrl.step3_ppo",
+           "--actor_model_name_or_path", m["actor"], "--critic_model_name_or_path", m["reward"],
+           "--data_path", m["prompts"], "--data_split", "0,0,10", "--data_output_path", str(work / "step3_cache"),
+           "--max_prompt_seq_len", "256", "--max_answer_seq_len", "256", "--per_device_generation_batch_size",
+           str(a.step3_batch), "--per_device_training_batch_size", str(a.step3_batch), "--max_steps",
+           str(a.step3_steps), "--num_warmup_steps", "0", "--actor_zero_stage", "0", "--critic_zero_stage", "0",
+           "--enable_hybrid_engine", "--dtype", "bf16", "--disable_progress_bar", "--overwrite_output_dir",
+           "--output_dir", str(out)]
+    env = {**os.environ, "DS_ACCELERATOR": "cuda"}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"step 3 ran over {timeout:.0f} s"}
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}
+    rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    figures = step3_figures(rows)
+    figures.update(seconds=round(time.time() - t0, 1), batch=a.step3_batch, goal_samples_per_s=7.5,
+                   deepspeed_chat_a100_samples_per_s=DS_CHAT_A100_SAMPLES_PER_S,
+                   vs_deepspeed_chat_a100=round(figures["samples_per_s"] / DS_CHAT_A100_SAMPLES_PER_S, 2))
+    return figures
+
+
 def decode_bandwidth(bench: dict, a) -> dict:
     """Bytes/s the engine's decoding moves, from the benchmark's generate time and the model's sizes."""
     s = bench["setup"]
@@ -105,6 +195,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--step3-batch", type=int, default=16, help="step 3: rollouts per step")
+    p.add_argument("--step3-steps", type=int, default=4, help="step 3: steps (the first is left out)")
     a = p.parse_args()
     import deepspeed
     import torch
@@ -126,8 +218,8 @@ def main() -> int:
     summary["device"]["copy_bandwidth_gb_s"] = round(copy_bandwidth() / 1e9)
     torch.cuda.empty_cache()
     if not a.skip_tests:
-        summary["tests"] = run_tests(work, timeout=420)
-    bench = run_bench(a, timeout=420)
+        summary["tests"] = run_tests(work, timeout=270)
+    bench = run_bench(a, timeout=120)
     summary["hybrid_engine_opt_1.3b_bf16"] = bench
     if "engine_tp1" in bench:
         bw = decode_bandwidth(bench, a)
@@ -135,10 +227,12 @@ def main() -> int:
         bw["fraction_of_copy"] = round(bw["bytes_per_s"] / (summary["device"]["copy_bandwidth_gb_s"] * 1e9), 3)
         bw["bytes_per_s"] = round(bw["bytes_per_s"])
         summary["decode_bandwidth"] = bw
+    torch.cuda.empty_cache()
+    summary["step3_bf16_opt_1.3b_350m"] = step3 = run_step3(a, work, timeout=170)
     Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1), flush=True)
     tests_ok = a.skip_tests or (summary["tests"].get("exit_code") == 0 and summary["tests"].get("passed", 0) > 0)
-    return 0 if tests_ok and "engine_tp1" in bench else 1
+    return 0 if tests_ok and "engine_tp1" in bench and "samples_per_s" in step3 else 1
 
 
 if __name__ == "__main__":

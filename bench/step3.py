@@ -18,7 +18,9 @@ helpful-base test prompts left-truncated to 128 tokens, 64-token answers at temp
 prompts per rank, 2 ranks, ``--steps`` PPO steps, 1 epoch, fp32, hybrid engine on, started by the
 DeepSpeed launcher, at each of ``--stages``; with ``--trl_python`` (the TRL 1.12 venv of
 ``../shared/baselines/trl/setup_venv.sh``) TRL's ``PPOTrainer`` runs the same set-up under torchrun
-(``../shared/baselines/trl/scripts/ppo.py``). Runs are interleaved, ``--repeats`` times; the JSON
+(``../shared/baselines/trl/scripts/ppo.py``). ``--dtype bf16``: chatrl at ``--dtype bf16`` and TRL with
+``bf16=True`` (its mixed precision; ``bench/peers/trl_bf16.py``); ``--dtype fp32 bf16`` runs both dtypes
+interleaved and adds chatrl's bf16/fp32 ratio per stage (``--trl_dtype bf16``: TRL in bf16 only). Runs are interleaved, ``--repeats`` times; the JSON
 gives per mode the median (and range) of rollouts/s inside the loop, launch-to-exit seconds, the
 phase split and the peak resident memory of each rank (``VmHWM``, polled), and ratios against TRL.
 
@@ -173,7 +175,7 @@ def _chatrl_env() -> dict:
             "TOKENIZERS_PARALLELISM": "false", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
-def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
+def run_chatrl(stage: int, setup: dict, out: Path, a, dtype: str = "fp32") -> dict:
     env = _chatrl_env()
     cmd = ["deepspeed", "--num_gpus", "2", "--module", "chatrl.step3_ppo",
            "--actor_model_name_or_path", setup["sft"], "--critic_model_name_or_path", setup["rm"],
@@ -182,7 +184,8 @@ def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
            "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
            "--max_steps", str(a.steps), "--num_warmup_steps", "0", "--temperature", "0.7",
            "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage), "--enable_hybrid_engine",
-           "--seed", "1", "--disable_progress_bar", "--log_interval", "1", "--output_dir", str(out / "out")]
+           "--seed", "1", "--disable_progress_bar", "--log_interval", "1", "--output_dir", str(out / "out"),
+           "--dtype", dtype]
     wall, peaks = _launch(cmd, env, str(out / "out"), out.with_suffix(".log"), a.timeout)
     rows = [json.loads(x) for x in (out / "out/logs/metrics.jsonl").read_text().splitlines()]
     per_step = [r["samples"] - (rows[i - 1]["samples"] if i else 0) for i, r in enumerate(rows)]  # --log_interval 1
@@ -192,13 +195,14 @@ def run_chatrl(stage: int, setup: dict, out: Path, a) -> dict:
             "peak_rss_mib": peaks}
 
 
-def run_trl(setup: dict, out: Path, a) -> dict:
+def run_trl(setup: dict, out: Path, a, dtype: str = "fp32") -> dict:
     script = SHARED / "baselines/trl/scripts/ppo.py"
     env = {**os.environ, "TRL_CPU_ROOT": str(Path(setup["prompts"]).parents[1]), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_DISABLED": "true", "TRL_EXPERIMENTAL_SILENCE": "1"}
     env.pop("PYTHONPATH", None)
-    cmd = [a.trl_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+    bf16 = [str(Path(__file__).resolve().parent / "peers" / "trl_bf16.py")] if dtype == "bf16" else []
+    cmd = [a.trl_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *bf16, str(script),
            "--policy", setup["sft"], "--reward", setup["rm"], "--out", str(out / "model"),
            "--metrics-dir", str(out), "--updates", str(a.steps)]
     wall, peaks = _launch(cmd, env, str(out / "model"), out.with_suffix(".log"), a.timeout)
@@ -221,8 +225,21 @@ def _summary(runs: list[dict]) -> dict:
             "peak_rss_mib": {k: max(r["peak_rss_mib"].get(k, 0.0) for r in runs) for k in runs[0]["peak_rss_mib"]}}
 
 
+def _mode(name: str) -> tuple[str, str, int | None]:
+    """``chatrl_zero3`` / ``chatrl_bf16_zero3`` / ``trl`` / ``trl_bf16`` → (framework, dtype, stage)."""
+    parts = name.split("_")
+    dtype = "bf16" if "bf16" in parts else "fp32"
+    return parts[0], dtype, int(parts[-1][4:]) if parts[-1].startswith("zero") else None
+
+
 def side_by_side(a) -> dict:
-    modes = [f"chatrl_zero{s}" for s in a.stages] + (["trl"] if a.trl_python else [])
+    """Every (dtype, stage) of chatrl and TRL (with ``--trl_python``) in each dtype, interleaved; ratios
+    against TRL in the same dtype, and chatrl's bf16 against its fp32 at the same stage."""
+    modes = []
+    for dtype in a.dtype:
+        tag = "" if dtype == "fp32" else f"_{dtype}"
+        modes += [f"chatrl{tag}_zero{s}" for s in a.stages] + ([f"trl{tag}"] if a.trl_python and dtype in a.trl_dtype
+                                                                else [])
     runs: dict[str, list] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work_dir or tmp)
@@ -231,17 +248,30 @@ def side_by_side(a) -> dict:
         for rep in range(a.repeats):
             for m in modes:  # interleaved: every mode sees the same load, repeat after repeat
                 out = work / f"{m}_{rep}"
-                runs[m].append(run_trl(setup, out, a) if m == "trl" else run_chatrl(int(m[-1]), setup, out, a))
+                framework, dtype, stage = _mode(m)
+                runs[m].append(run_trl(setup, out, a, dtype) if framework == "trl"
+                               else run_chatrl(stage, setup, out, a, dtype))
                 print(json.dumps({"mode": m, "repeat": rep, **runs[m][-1]}), file=sys.stderr, flush=True)
     res = {m: _summary(r) for m, r in runs.items()}
-    if "trl" in res:
-        trl = res["trl"]
-        for m in modes[:-1]:
+    for m in res:
+        framework, dtype, stage = _mode(m)
+        if framework != "chatrl":
+            continue
+        trl = res.get("trl" if dtype == "fp32" else f"trl_{dtype}")
+        if trl is not None:
             res[m]["vs_trl"] = {
                 "rollouts_per_s": round(res[m]["rollouts_per_s"]["median"] / trl["rollouts_per_s"]["median"], 3),
                 "launch_to_exit_speedup": round(trl["launch_to_exit_s"]["median"] / res[m]["launch_to_exit_s"]["median"],
                                                 3)}
-    return {"bench": "step3_side_by_side", "actor": f"tiny-opt-h{a.hidden}-l{a.layers}", "ranks": 2,
+        fp32 = res.get(f"chatrl_zero{stage}")
+        if dtype != "fp32" and fp32 is not None:
+            res[m]["vs_chatrl_fp32"] = {
+                "rollouts_per_s": round(res[m]["rollouts_per_s"]["median"] / fp32["rollouts_per_s"]["median"], 3),
+                "train_phase": round(fp32["phase_s"]["train"] / res[m]["phase_s"]["train"], 3),
+                "launch_to_exit_speedup": round(fp32["launch_to_exit_s"]["median"] / res[m]["launch_to_exit_s"]["median"],
+                                                3)}
+    return {"bench": "step3_side_by_side", "actor": f"tiny-opt-h{a.hidden}-l{a.layers}", "dtypes": a.dtype,
+            "date": time.strftime("%Y-%m-%d"), "ranks": 2,
             "prompts_per_rank": 4, "prompt": 128, "answer": a.answer, "steps": a.steps, "repeats": a.repeats,
             "load_avg_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), "modes": res}
 
@@ -264,6 +294,11 @@ def main() -> None:
     p.add_argument("--work_dir", default=None,
                    help="keep the side-by-side models, outputs and launch logs here (default: a temporary folder)")
     p.add_argument("--trl_python", default=None, help="python of the TRL 1.12 venv (adds TRL's PPOTrainer)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], nargs="+", default=["fp32"],
+                   help="--side_by_side: chatrl's --dtype, each one a set of modes (bf16 and fp32 together give "
+                        "chatrl's bf16/fp32 ratio); TRL runs in bf16 with bf16=True (bench/peers/trl_bf16.py)")
+    p.add_argument("--trl_dtype", choices=["fp32", "bf16"], nargs="+", default=None,
+                   help="--side_by_side with --trl_python: the dtypes TRL runs in (default: every --dtype)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     p.add_argument("--algorithms", nargs="+", default=None, choices=algorithms.names(),
                    help="compare these step-3 algorithms (hybrid engine on) instead of hybrid on/off")
@@ -272,6 +307,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if a.side_by_side:
+        a.trl_dtype = a.trl_dtype or a.dtype
         if "--hidden" not in sys.argv:
             a.hidden, a.layers = 64, 2
         a.steps = a.steps if "--steps" in sys.argv else 20

@@ -41,9 +41,10 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from chatrl import precision
 from chatrl.errors import UsageError
 from chatrl.rl import algorithms
-from chatrl.rl.loss import KL_PLACEMENTS, LOSS_AGG_MODES
+from chatrl.rl.loss import KL_PLACEMENTS, LOSS_AGG_MODES, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 
 REQUIRED: Any = object()
 """Default of a flag that must be given."""
@@ -85,12 +86,27 @@ class ModelConfig:
 
     model_name_or_path: str = setting(REQUIRED, "HF hub name or local folder of a causal LM", per_model=True, type=str,
                                       path="model")
-    dtype: str = setting("fp32", "dtype of the weights (training and inference)", choices=("fp32", "bf16", "fp16"))
+    dtype: str = setting("fp32", "dtype of the weights (training and inference); auto: bf16 where the device "
+                                 "computes it natively (a CUDA device with bf16, a CPU with AVX512-BF16 or AMX), "
+                                 "else fp32 (docs/precision.md)", choices=precision.DTYPE_CHOICES)
+    fp32_lm_head: bool = setting(False, "compute the LM head, and so the logits, in fp32 whatever --dtype (step 3: in "
+                                        "the sampler and the trainer alike, which narrows their log-prob gap in bf16; "
+                                        "docs/precision.md)")
     gradient_checkpointing: bool = setting(False, "recompute activations in backward", per_model=True)
     dropout: float | None = setting(None, "override every dropout probability in the model config "
                                           "(unset: keep the config's)", unit="probability", per_model=True, type=float)
     trust_remote_code: bool = setting(False, "allow model code from the hub (off: safer)")
     disable_dropout: bool = setting(False, "DeepSpeed-Chat's spelling of --dropout 0.0")
+
+    def __post_init__(self):
+        # --dtype auto becomes the concrete dtype once, where the settings are read; the reason is kept
+        # for the program's start-up line (dtype_note)
+        self.dtype, self._dtype_reason = precision.resolve_dtype(self.dtype)
+
+    @property
+    def dtype_note(self) -> str:
+        """The dtype for a start-up line: ``bf16``, or ``bf16 (--dtype auto: CPU with AVX512-BF16)``."""
+        return f"{self.dtype} ({self._dtype_reason})" if self._dtype_reason else self.dtype
 
     @property
     def dropout_override(self) -> float | None:
@@ -296,8 +312,16 @@ class PPOConfig:
     cliprange_low: float | None = setting(None, "lower ratio clip epsilon (unset: --cliprange)", type=float)
     cliprange_high: float | None = setting(None, "upper ratio clip epsilon (unset: --cliprange_low; larger: DAPO's "
                                                  "clip-higher)", type=float)
-    rollout_is_cap: float = setting(0.0, "truncated importance-sampling correction of the gap between sampler and "
-                                         "training log-probs, weights capped at this (0: off)")
+    rollout_is_cap: float = setting(0.0, "importance-sampling correction of the gap between sampler and training "
+                                         "log-probs: the upper bound of the ratio's band, weights capped at it (0: off)")
+    rollout_is_level: str = setting("token", "the correction's ratio: per token, per answer (sequence: the product "
+                                             "of its tokens' ratios) or per answer as their geometric mean",
+                                    choices=ROLLOUT_IS_LEVELS)
+    rollout_is_mode: str = setting("truncate", "a ratio above --rollout_is_cap is capped (truncate), or a ratio "
+                                               "outside [--rollout_is_cap_low, --rollout_is_cap] gets weight 0 (mask: "
+                                               "the token or the whole answer is dropped)", choices=ROLLOUT_IS_MODES)
+    rollout_is_cap_low: float | None = setting(None, "lower bound of the band in mask mode (unset: 1 / "
+                                                     "--rollout_is_cap)", type=float)
     grpo_no_std_scaling: bool = setting(False, "grpo: do not divide by the group's reward std (Dr. GRPO)")
 
     @property

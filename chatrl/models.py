@@ -17,6 +17,7 @@ from chatrl.config import LoraConfig, PackingConfig
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.packing import BLOCK_MASK, PackedRows, attention_style, block_diagonal_mask
+from chatrl.precision import compute_in_fp32
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ def load_causal_lm(
     dtype: str = "fp32",
     dropout: float | None = None,
     trust_remote_code: bool = False,
+    fp32_lm_head: bool = False,
 ):
     """Load an HF causal LM (hub name or folder) ready for chatrl.
 
@@ -187,6 +189,8 @@ def load_causal_lm(
         dtype: ``fp32`` | ``bf16`` | ``fp16``: the dtype the weights are loaded in.
         dropout: if given, overrides every ``*dropout`` field of the config (``0.0`` turns it off).
         trust_remote_code: passed to transformers; off unless the user asks.
+        fp32_lm_head: compute the LM head in float32 whatever ``dtype`` (``--fp32_lm_head``,
+            :func:`chatrl.precision.compute_in_fp32`): the logits are then float32.
 
     Raises:
         FileNotFoundError: ``path`` is neither a local folder nor reachable on the hub (names it).
@@ -207,6 +211,11 @@ def load_causal_lm(
         path, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
     )
     fit_embeddings(model, tokenizer)
+    if fp32_lm_head:
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise UsageError(f"--fp32_lm_head: {type(model).__name__} has no linear output embedding")
+        compute_in_fp32(head)
     return model
 
 

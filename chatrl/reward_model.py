@@ -45,6 +45,7 @@ from chatrl.models import (
     torch_dtype,
 )
 from chatrl.packing import PackedRows
+from chatrl.precision import compute_in_fp32
 from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class RewardModel(nn.Module):
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(inner).__name__} has no one-output linear '{HEAD}' head; "
                              "build it with num_labels=1")
+        compute_in_fp32(head)  # scores and values in float32 whatever the backbone's dtype (docs/precision.md)
 
     @property
     def config(self):
@@ -183,7 +185,8 @@ class RewardModel(nn.Module):
                 ``input_ids`` are its rows ``(R, W)`` and ``attention_mask`` is ignored.
 
         Returns:
-            :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in the model's dtype;
+            :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in float32 whatever the
+            backbone's dtype (the head runs in float32: :func:`chatrl.precision.compute_in_fp32`);
             ``values`` is 0 at pad positions. With ``packed``: ``values (R, W)`` (0 on the rows'
             trailing pads) and ``end_scores (N,)``, one per packed sequence in its order, each
             equal to the sequence's padded end score.

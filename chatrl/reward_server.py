@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from chatrl import config
 from chatrl.cli import normalize_argv
+from chatrl.precision import DTYPE_CHOICES
 from chatrl.rewards import FunctionReward, WeightedReward, decode_request, split_weight
 from chatrl.rewards.model import TextRewardModel
 
@@ -87,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward_model_weight", type=float, default=1.0, help="weight of --reward_model")
     p.add_argument("--max_seq_len", type=int, default=512, help="reward model: max tokens of prompt + answer")
     p.add_argument("--batch_size", type=int, default=8, help="reward model: sequences per forward pass")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="reward model dtype")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPE_CHOICES),
+                   help="reward model dtype (auto: bf16 where the device runs it natively; scores are fp32 in every "
+                        "dtype)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     return p

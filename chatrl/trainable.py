@@ -32,7 +32,7 @@ def load_trainable(kind: str, tokenizer, model: ModelConfig, lora: LoraConfig, *
     1. load: a causal LM (:func:`chatrl.models.load_causal_lm`) or a reward model
        (:func:`chatrl.reward_model.load_reward_model`; ``require_head``: the folder must hold a
        trained head, else a fresh one starts), in ``model.dtype``, with ``--dropout`` /
-       ``--disable_dropout`` applied;
+       ``--disable_dropout`` and ``--fp32_lm_head`` applied;
     2. LoRA (:func:`chatrl.models.apply_lora`; for a reward model its head keeps training);
     3. gradient checkpointing (``--gradient_checkpointing``).
 
@@ -56,7 +56,7 @@ def load_trainable(kind: str, tokenizer, model: ModelConfig, lora: LoraConfig, *
     path = model.model_name_or_path
     if kind == "causal_lm":
         net = load_causal_lm(path, tokenizer, model.dtype, dropout=model.dropout_override,
-                             trust_remote_code=model.trust_remote_code)
+                             trust_remote_code=model.trust_remote_code, fp32_lm_head=model.fp32_lm_head)
     else:
         net = load_reward_model(path, tokenizer, model.dtype, require_head=require_head,
                                 dropout=model.dropout_override, trust_remote_code=model.trust_remote_code)

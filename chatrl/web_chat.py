@@ -26,7 +26,8 @@ from pathlib import Path
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.models import load_tokenizer, stop_token_ids
+from chatrl.models import load_tokenizer, stop_token_ids, torch_dtype
+from chatrl.precision import resolve_dtype
 
 ROLES = ("system", "user", "assistant")
 
@@ -53,20 +54,23 @@ def model_role(path: str) -> str | None:
 
 
 class ChatModel:
-    """One loaded model folder: tokenizer (left padding), causal LM in eval mode, context window, and
-    its role in the pipeline (:func:`model_role`, else ``role``) shown over its column.
+    """One loaded model folder: tokenizer (left padding), causal LM in eval mode (in ``dtype``: fp32, bf16 or
+    fp16, chat.py's --dtype resolved), context window, and its role in the pipeline
+    (:func:`model_role`, else ``role``) shown over its column.
 
     Raises:
         OSError / FileNotFoundError: ``path`` holds no loadable model (from transformers / chatrl.models).
     """
 
-    def __init__(self, path: str, device: str, trust_remote_code: bool = False, role: str = "model"):
+    def __init__(self, path: str, device: str, trust_remote_code: bool = False, role: str = "model",
+                 dtype: str = "fp32"):
         from transformers import AutoModelForCausalLM
 
         self.path, self.name = path, _short_name(path)
         self.role = model_role(path) or role
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                          dtype=torch_dtype(dtype)).to(device).eval()
         self.device = device
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)  # the stop set of every chatrl generation
         self.context = getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length
@@ -211,7 +215,8 @@ def serve(args) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    models = [ChatModel(p, device, args.trust_remote_code, role) for p, role in
+    dtype = resolve_dtype(getattr(args, "dtype", "fp32"), torch.device(device).type)[0]
+    models = [ChatModel(p, device, args.trust_remote_code, role, dtype) for p, role in
               ((args.path, "model"), (args.compare, "compared model")) if p]
     defaults = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0 if args.greedy else args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "repetition_penalty": args.repetition_penalty,

@@ -131,7 +131,8 @@ def atomic_dir(final: str | os.PathLike):
     return _cm()
 
 
-def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike) -> None:
+def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike,
+                  dtype: torch.dtype | None = None) -> None:
     """Save ``module`` (an HF model, maybe peft-wrapped, maybe ZeRO-3 partitioned) as an HF folder.
 
     All ranks must call it. Rank 0 gathers the full weights, merges LoRA, and writes
@@ -139,8 +140,12 @@ def save_hf_model(module: torch.nn.Module, tokenizer, out_dir: str | os.PathLike
     which then loads with plain ``from_pretrained``. Files are written to a temporary folder first
     and each is moved into place with an atomic rename; weight files of an earlier export that the
     new one does not have are removed, other content of ``out_dir`` (logs, checkpoints) is kept.
+    ``dtype``: cast the floating-point weights to it first (step 3's float32 EMA exported in
+    ``--dtype``); default: as they are. ``config.json`` records the dtype saved.
     """
     state = full_state_dict(module)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if is_main():
         model = _merged_hf_model(module, state)
         out = Path(out_dir)

@@ -20,16 +20,18 @@ from pathlib import Path
 import torch
 
 
-def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_size: int = 64) -> float:
-    """Share of ``rows`` whose greedy answer's final number equals ``row["reference"]``."""
+def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_size: int = 64,
+             dtype: str | None = None) -> float:
+    """Share of ``rows`` whose greedy answer's final number equals ``row["reference"]``; the model in
+    ``dtype`` (``fp32``, ``bf16``; default: the dtype it was saved in)."""
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.formatting import encode_prompt
-    from chatrl.models import load_tokenizer, stop_token_ids
+    from chatrl.models import load_tokenizer, stop_token_ids, torch_dtype
     from chatrl.rewards.builtin import exact_match
 
     tok = load_tokenizer(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype) if dtype else "auto").eval()
     hits = 0.0
     for i in range(0, len(rows), batch_size):
         part = rows[i:i + batch_size]
@@ -84,13 +86,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max_new_tokens", type=int, default=6, help="answer tokens (per turn with --env)")
     p.add_argument("--env", default=None, help="play greedy episodes of this environment (calculator) instead")
     p.add_argument("--max_turns", type=int, default=3, help="assistant turns per episode with --env")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="the model's dtype (default: as saved)")
     a = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(a.data).read_text().splitlines() if x.strip()]
     bad = [i for i, r in enumerate(rows) if "prompt" not in r or "reference" not in r]
     if bad:
         sys.exit(f"{a.data}: rows {bad[:5]} lack 'prompt' or 'reference'")
     acc = (evaluate_episodes(a.model, rows, a.env, a.max_turns, a.max_new_tokens) if a.env else
-           evaluate(a.model, rows, a.max_new_tokens))
+           evaluate(a.model, rows, a.max_new_tokens, dtype=a.dtype))
     print(json.dumps({"accuracy": acc, "n": len(rows), "model": a.model, "env": a.env}))
 
 

@@ -8,7 +8,8 @@ The set-up, identical on both sides: a tiny random OPT (hidden 64, 2 layers, 4 h
 BPE with a separate pad token), hh-rlhf helpful-base pairs 0–999 for training and 1000–1199 for the
 reward model's eval accuracy, sequences of 256 tokens (SFT, reward), prompts of 128 and answers of
 64 tokens (PPO, temperature 0.7, one PPO epoch, one mini-batch), batch 4 per rank, 2 CPU ranks (gloo,
-one thread each), fp32. TRL runs under ``torchrun`` in its own venv (``setup_trl_venv.sh``, made or
+one thread each), fp32 (``--dtype bf16``: chatrl at ``--dtype bf16``, TRL's trainers with ``bf16=True``).
+TRL runs under ``torchrun`` in its own venv (``setup_trl_venv.sh``, made or
 reused first); chatrl runs its step programs under the DeepSpeed launcher, ZeRO-0 (like TRL's DDP).
 Runs are interleaved (TRL, chatrl, TRL, chatrl, …) so that load on the machine hits both alike.
 
@@ -90,18 +91,19 @@ def run_trl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
     cmd = [str(Path(a.trl_venv) / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
            "--master_port", str(free_port()), str(HERE / "trl_stage.py"), stage, "--model", str(paths["model"]),
            "--reward_model", str(paths["rm"]), "--data", str(work), "--out", str(d / "out"),
-           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH)]
+           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH), "--dtype", a.dtype]
     wall = _launch(cmd, d / "log", a.timeout)
     return {**json.loads((d / "result.json").read_text()), "wall_s": wall}
 
 
-def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
+def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | None = None) -> dict:
     from chatrl.dist import free_port
 
-    d = work / f"chatrl_{stage}_{tag}"
+    dtype = dtype or a.dtype
+    d = work / f"chatrl_{stage}_{tag}_{dtype}"
     data = [f"{HH}[0:1000]"]
     common = ["--data_output_path", str(work / "chatrl_cache"), "--disable_progress_bar", "--seed", "1",
-              "--output_dir", str(d / "out")]
+              "--output_dir", str(d / "out"), "--dtype", dtype]
     if stage == "sft":
         flags = ["--model_name_or_path", str(paths["model"]), "--data_path", *data, "--data_split", "10,0,0",
                  "--max_seq_len", "256", "--per_device_train_batch_size", str(BATCH), "--learning_rate", "1e-3",
@@ -161,6 +163,13 @@ def summarise(runs: list[dict]) -> dict:
                       "trl_median": statistics.median(trl), "chatrl_median": statistics.median(ours),
                       "median_ratio_chatrl_over_trl": statistics.median(o / t for t, o in zip(trl, ours, strict=True)),
                       "trl_wall_s": [p[0]["wall_s"] for p in pairs], "chatrl_wall_s": [p[1]["wall_s"] for p in pairs]}
+        fp32 = [r["chatrl_fp32"]["samples_per_s"] for r in runs if r["stage"] == stage and "chatrl_fp32" in r]
+        if fp32:
+            out[stage]["chatrl_fp32_samples_per_s"] = fp32
+            out[stage]["chatrl_fp32_wall_s"] = [r["chatrl_fp32"]["wall_s"] for r in runs
+                                                if r["stage"] == stage and "chatrl_fp32" in r]
+            out[stage]["median_ratio_chatrl_over_chatrl_fp32"] = statistics.median(
+                o / f for o, f in zip(ours, fp32, strict=True))
         if stage == "reward":
             out[stage]["eval_accuracy"] = {"trl": [p[0].get("eval_accuracy") for p in pairs],
                                            "chatrl": [p[1].get("eval_accuracy") for p in pairs],
@@ -179,6 +188,10 @@ def main() -> None:
     p.add_argument("--trl_venv", default=os.environ.get("TRL_VENV", "/tmp/trl_cpu/venv"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: chatrl at --dtype bf16, TRL's trainers with bf16=True (HF mixed precision)")
+    p.add_argument("--also_chatrl_fp32", action="store_true",
+                   help="with --dtype bf16: also run chatrl in fp32 in each repeat (chatrl's bf16/fp32 ratio)")
     p.add_argument("--keep", help="keep the work folder (logs, outputs) here instead of a temporary one")
     a = p.parse_args()
     subprocess.run(["bash", str(HERE / "setup_trl_venv.sh")], check=True, env={**os.environ, "TRL_VENV": a.trl_venv},
@@ -196,6 +209,8 @@ def main() -> None:
                 trl = run_trl(stage, a, paths, work, tag)
                 ours = run_chatrl(stage, a, paths, work, tag)
                 runs.append({"stage": stage, "repeat": rep, "trl": trl, "chatrl": ours})
+                if a.also_chatrl_fp32 and a.dtype != "fp32":
+                    runs[-1]["chatrl_fp32"] = run_chatrl(stage, a, paths, work, tag, "fp32")
                 print(f"[peers] {stage} repeat {rep}: TRL {trl['samples_per_s']:.2f} samples/s, "
                       f"chatrl {ours['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
                 if a.out:  # what is measured so far survives an interrupted run
@@ -214,7 +229,7 @@ def report(a, started: str, load_before, runs: list[dict], partial: bool = False
             "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
                       "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
                       "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
-                      "answer_len": 64, "dtype": "fp32", "chatrl_zero_stage": 0, "steps":
+                      "answer_len": 64, "dtype": a.dtype, "chatrl_zero_stage": 0, "steps":
                       {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps},
                       "samples_per_s": "training loop, end of step 1 to end of last step"},
             "stages": summarise(runs), "runs": runs}

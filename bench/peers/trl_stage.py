@@ -52,7 +52,7 @@ def loop_rate(clock: StepClock, samples_per_step: int) -> float:
 
 def common_args(a) -> dict:
     return dict(output_dir=a.out, per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
-                max_steps=a.steps, bf16=False, fp16=False, use_cpu=True, seed=1, logging_steps=10,
+                max_steps=a.steps, bf16=a.dtype == "bf16", fp16=False, use_cpu=True, seed=1, logging_steps=10,
                 save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
                 dataloader_num_workers=0)
 
@@ -146,6 +146,8 @@ def main():
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--answer_len", type=int, default=64)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the trainers' bf16=True (HF mixed precision: fp32 weights, bf16 autocast)")
     a = p.parse_args()
     t0 = time.time()
     world = int(os.environ.get("WORLD_SIZE", "1"))

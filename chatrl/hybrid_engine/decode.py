@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatrl.logprobs import logprobs_from_logits
+from chatrl.precision import computes_in_fp32
 
 
 @dataclass(frozen=True)
@@ -183,17 +184,29 @@ def gather_prompts(input_ids, attention_mask, group: TPGroup, pad_token_id: int,
     return GroupBatch(torch.cat(all_ids)[rows], torch.cat(all_mask)[rows], start, b, max_p - p, counts)
 
 
-def project_head(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``head(hidden)`` for the last positions, ``(rows, vocab shard)``.
+def head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The matrix the LM head multiplies by while decoding: its weight, or a float32 copy of it when
+    the head computes in float32 (``--fp32_lm_head``, :func:`chatrl.precision.compute_in_fp32`),
+    made once per :func:`decode` call rather than once per token."""
+    return head.weight.float() if computes_in_fp32(head) else head.weight
 
-    On a CPU with a few rows, ``W @ hᵀ`` streams the large vocabulary matrix once in the layout the
-    BLAS prefers and runs about 1.4× faster than ``h @ Wᵀ`` (fp32, 8 rows, 512 × 50272: 14 ms
-    against 21 ms on one EPYC core); the result differs only in summation order (~1e-7).
+
+def project_head(head: torch.nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``head(hidden)`` for the last positions, ``(rows, vocab shard)``, in ``weight``'s dtype.
+
+    ``weight``: the head's matrix (:func:`head_weight`; default ``head.weight``); ``hidden`` is cast
+    to its dtype, so a float32 matrix gives float32 logits from a bf16 body, as the training
+    forward's float32 head does. On a CPU with a few rows, ``W @ hᵀ`` streams the large vocabulary
+    matrix once in the layout the BLAS prefers and runs about 1.4× faster than ``h @ Wᵀ`` (fp32, 8
+    rows, 512 × 50272: 14 ms against 21 ms on one EPYC core); the result differs only in summation
+    order (~1e-7).
     """
-    weight = head.weight
-    if hidden.device.type == "cpu" and getattr(head, "bias", None) is None and hidden.shape[0] <= 8:
+    weight = head.weight if weight is None else weight
+    hidden = hidden.to(weight.dtype)
+    bias = getattr(head, "bias", None)
+    if hidden.device.type == "cpu" and bias is None and hidden.shape[0] <= 8:
         return torch.mm(weight, hidden.t()).t()
-    return head(hidden)
+    return torch.nn.functional.linear(hidden, weight, None if bias is None else bias.to(weight.dtype))
 
 
 def _own_logits(head_out: torch.Tensor, batch: GroupBatch, group: TPGroup) -> torch.Tensor:
@@ -238,10 +251,11 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
     logprobs = torch.zeros(batch.rows, s.max_new_tokens, dtype=torch.float32, device=device) if keep_logprobs else None
     finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
     body_in = dict(input_ids=ids, position_ids=position)
+    weight = head_weight(model.lm_head)
     for step in range(s.max_new_tokens):
         hidden = model.model(attention_mask=full_mask[:, :width + step], past_key_values=cache,
                              use_cache=True, **body_in).last_hidden_state[:, -1]
-        logits = _own_logits(project_head(model.lm_head, hidden), batch, group)
+        logits = _own_logits(project_head(model.lm_head, hidden, weight), batch, group)
         if keep_logits:
             kept.append(logits)
         scores = process_logits(logits, s, step)

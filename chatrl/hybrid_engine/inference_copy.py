@@ -31,6 +31,7 @@ from chatrl.hybrid_engine.tp_plan import (
     tp_plan,
 )
 from chatrl.models import base_model
+from chatrl.precision import compute_in_fp32, computes_in_fp32
 from chatrl.weights import gathered
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ class InferenceCopy:
             self.placements = localize(model, self.tp_mesh.get_group())
         else:
             model.to_empty(device=self.device)
+        if computes_in_fp32(src.get_output_embeddings()):  # --fp32_lm_head: decoding's head in float32 too
+            compute_in_fp32(model.get_output_embeddings())
         return model
 
     def _groups(self) -> list[list[str]]:

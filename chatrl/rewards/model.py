@@ -15,12 +15,17 @@ order of preference, so that the served score equals the in-process one:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from chatrl.data.schema import Sample
 from chatrl.models import load_tokenizer
+from chatrl.precision import resolve_dtype
 from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores, decode_exactly
+
+log = logging.getLogger(__name__)
 
 
 class TextRewardModel:
@@ -30,7 +35,8 @@ class TextRewardModel:
         model_dir: step 2's ``--output_dir``.
         max_seq_len: prompt + answer tokens; longer prompts lose their oldest tokens.
         batch_size: sequences per forward pass.
-        dtype: ``fp32``, ``bf16`` or ``fp16``. device: torch device (default cuda if available).
+        dtype: ``fp32``, ``bf16``, ``fp16`` or ``auto`` (:func:`chatrl.precision.resolve_dtype` for the
+            device; the scores are float32 in every dtype). device: torch device (default cuda if available).
 
     Raises:
         RewardError: at call time, an answer that alone does not fit ``max_seq_len`` (names the row).
@@ -41,7 +47,11 @@ class TextRewardModel:
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_reward_model(model_dir, self.tokenizer, dtype=dtype, require_head=True).to(self.device).eval()
+        self.dtype, why = resolve_dtype(dtype, self.device.type)
+        if why:
+            log.info("reward model %s in %s (%s)", model_dir, self.dtype, why)
+        self.model = load_reward_model(model_dir, self.tokenizer, dtype=self.dtype,
+                                       require_head=True).to(self.device).eval()
         self.max_seq_len, self.batch_size, self.name = max_seq_len, batch_size, name
 
     def encode(self, batch: RewardBatch) -> list[list[int]]:

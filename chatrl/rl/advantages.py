@@ -205,6 +205,7 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Al
     position of every rank's ``x`` (two all-reduces: count and sum, then the mean's correction and
     the squared deviations; :func:`core.masked_moments`). On one rank (``all_reduce_sum=None``) it
     equals :func:`core.masked_whiten`. Masked positions are 0; a constant input gives exactly 0.
+    A bf16 ``x`` is whitened in float32 (not rounded back to bf16).
 
     Args:
         x: ``(B, A)``. mask: ``(B, A)``, non-zero = valid.

@@ -283,7 +283,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
             function); ``None``: this rank's positions only.
 
     Returns:
-        Same shape and dtype as ``x``.
+        Same shape as ``x``; float32 or wider (a bf16 ``x`` is promoted before the statistics).
 
     Raises:
         ValueError: shapes differ.
@@ -292,6 +292,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     2020 / Huang et al. 2022 ("The 37 implementation details of PPO", detail 7).
     """
     valid = valid_mask(mask)
+    x = x.to(float_dtype(x))
     mean, dev, n, sum_sq = masked_moments(x, mask, all_reduce_sum=all_reduce_sum)
     var = sum_sq / torch.where(n > 1, n - 1, n).clamp(min=1)
     out = dev * torch.rsqrt(var + WHITEN_EPS)
@@ -322,7 +323,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
         kind: one of :data:`KL_KINDS`.
 
     Returns:
-        ``(B, A)`` in nats.
+        ``(B, A)`` in nats, float32 or wider (bf16 inputs are promoted first).
 
     Raises:
         ValueError: unknown ``kind`` or shape mismatch.
@@ -330,7 +331,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
     Source: J. Schulman, "Approximating KL divergence" (2020 blog post), estimators k1, k2, k3.
     """
     check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
-    diff = logp - ref_logp
+    dtype = float_dtype(logp, ref_logp)
+    diff = logp.to(dtype) - ref_logp.to(dtype)
     if kind == "k1":
         return diff
     if kind == "k3":
@@ -532,7 +534,7 @@ def critic_loss(
         normalizer: > 0, the token count the sum is divided by; ``None``: this batch's own count.
 
     Returns:
-        ``(loss, stats)``: 0-dim loss (0 when no token is valid); ``stats["value_clip_frac"]``,
+        ``(loss, stats)``: 0-dim loss, float32 or wider (0 when no token is valid); ``stats["value_clip_frac"]``,
         detached: fraction of action tokens where the clipped term is strictly larger (its
         gradient is then 0).
 
@@ -552,10 +554,11 @@ def critic_loss(
     if normalizer is not None and not float(normalizer) > 0:
         raise ValueError(f"critic_loss: normalizer must be > 0, got {float(normalizer)}")
     valid = valid_mask(action_mask)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    v = torch.where(valid, values, zero)
-    old = torch.where(valid, old_values.detach(), torch.zeros_like(old_values))
-    ret = torch.where(valid, returns.detach(), torch.zeros_like(returns))
+    dtype = float_dtype(values, old_values, returns)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    v = torch.where(valid, values.to(dtype), zero)
+    old = torch.where(valid, old_values.detach().to(dtype), zero)
+    ret = torch.where(valid, returns.detach().to(dtype), zero)
     unclipped = (v - ret) ** 2
     if clip_value is None:
         clipped = unclipped

@@ -24,10 +24,12 @@ its micro-batch, and the gradient on how the buffer is split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
+from chatrl.errors import UsageError
 from chatrl.logprobs import float_dtype
 from chatrl.rl import core
 
@@ -39,6 +41,12 @@ LOSS_AGG_MODES = ("micro-batch-token-mean", *GLOBAL_LOSS_AGG_MODES)
 
 #: Where the KL to the reference goes: a per-token penalty in the reward, or a term of the loss.
 KL_PLACEMENTS = ("reward", "loss")
+
+#: Importance ratio of the sampler/trainer correction: per token, per answer (the product of its
+#: tokens' ratios), or per answer as the geometric mean of its tokens' ratios (:func:`rollout_is_weights`).
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
+#: What happens to a ratio outside the band: capped at the upper bound, or its weight set to 0.
+ROLLOUT_IS_MODES = ("truncate", "mask")
 
 
 def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, action_mask: torch.Tensor,
@@ -62,16 +70,91 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, act
     Source: Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL
     training", truncated importance sampling); Ionides 2008 (truncated importance sampling).
     """
-    core.check_same_shape("truncated_is_weights", old_logp=old_logp, sampler_logp=sampler_logp,
-                           action_mask=action_mask)
+    return rollout_is_weights(old_logp, sampler_logp, action_mask, level="token", mode="truncate", cap=cap)[0]
+
+
+def check_rollout_is(level: str, mode: str, cap: float, cap_low: float | None) -> float:
+    """Check the importance-weight settings (``--rollout_is_level``, ``--rollout_is_mode``,
+    ``--rollout_is_cap``, ``--rollout_is_cap_low``) and return the band's lower bound (``1 / cap`` when
+    unset). Step 3 calls it before loading any model.
+
+    Raises:
+        UsageError: naming the flag: an unknown level or mode, ``cap < 1`` or ``cap_low`` outside ``(0, 1]``.
+    """
+    if level not in ROLLOUT_IS_LEVELS:
+        raise UsageError(f"--rollout_is_level must be one of {ROLLOUT_IS_LEVELS}, got {level!r}")
+    if mode not in ROLLOUT_IS_MODES:
+        raise UsageError(f"--rollout_is_mode must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
     if not cap >= 1:
-        raise ValueError(f"truncated_is_weights: cap (--rollout_is_cap) must be >= 1, got {cap}")
+        raise UsageError(f"--rollout_is_cap must be >= 1 (the band's upper bound; 0 turns the correction off), "
+                         f"got {cap}")
+    cap_low = 1.0 / cap if cap_low is None else cap_low
+    if not 0 < cap_low <= 1:
+        raise UsageError(f"--rollout_is_cap_low must be in (0, 1], got {cap_low}")
+    return cap_low
+
+
+def rollout_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, action_mask: torch.Tensor, *,
+                       level: str = "token", mode: str = "truncate", cap: float = 2.0,
+                       cap_low: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights correcting for the sampler's distribution, per token or per answer, detached.
+
+    With ``d_t = old_logp_t - sampler_logp_t`` on action tokens (the training forward's log-prob of
+    the sampled token minus the sampler's), the log-ratio is ``d_t`` (``token``), ``sum_t d_t`` of
+    the answer (``sequence``: the answer's probability ratio) or ``mean_t d_t`` (``geometric``: the
+    geometric mean of its tokens' ratios, which does not grow with length); an answer's ratio is
+    given to each of its tokens. Then, with ``r`` the ratio and the band ``[cap_low, cap]``:
+
+    * ``truncate``: ``w = min(r, cap)`` (a ratio below the band is kept: it only down-weights);
+    * ``mask``: ``w = r`` inside the band, ``0`` outside (the token, or the whole answer, is dropped
+      from the loss; the loss's normaliser still counts it).
+
+    Computed in log space, so a long answer's ratio cannot overflow. ``token`` with ``truncate`` is
+    :func:`truncated_is_weights`.
+
+    Args:
+        old_logp, sampler_logp: ``(B, A)`` nats. action_mask: ``(B, A)``.
+        level: one of :data:`ROLLOUT_IS_LEVELS`. mode: one of :data:`ROLLOUT_IS_MODES`.
+        cap: upper bound ``>= 1`` (``--rollout_is_cap``). cap_low: lower bound in ``(0, 1]``
+            (``--rollout_is_cap_low``), default ``1 / cap``; only ``mask`` reads it.
+
+    Returns:
+        ``(weights, outside)``: ``(B, A)`` weights (float32 or wider, 0 at masked positions) and a
+        ``(B, A)`` bool, True on action tokens whose ratio lies outside the band (``truncate``:
+        above ``cap``), for the share that the correction changed.
+
+    Raises:
+        ValueError: shape mismatch; :class:`chatrl.errors.UsageError` (a ValueError) from
+            :func:`check_rollout_is` for bad settings.
+
+    Source: Yao et al. 2025 (truncated importance sampling, token level); Zheng et al. 2025 (GSPO,
+    the length-normalised sequence ratio); veRL's rollout importance sampling (levels token,
+    sequence and geometric; modes truncate and mask); Ionides 2008 (truncated importance sampling).
+    """
+    core.check_same_shape("rollout_is_weights", old_logp=old_logp, sampler_logp=sampler_logp,
+                           action_mask=action_mask)
+    core.check_2d("rollout_is_weights", old_logp=old_logp)
+    cap_low = check_rollout_is(level, mode, cap, cap_low)
     with torch.no_grad():
         valid = core.valid_mask(action_mask)
         dtype = float_dtype(old_logp, sampler_logp)
         zero = torch.zeros((), dtype=dtype, device=old_logp.device)
         d = torch.where(valid, old_logp.to(dtype) - sampler_logp.to(dtype), zero)
-        return torch.where(valid, torch.exp(d).clamp(max=cap), zero)
+        if level == "token":
+            log_r = d
+        else:
+            total = d.sum(dim=1, keepdim=True)
+            if level == "geometric":
+                total = total / valid.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
+            log_r = total.expand_as(d)
+        hi, lo = math.log(cap), math.log(cap_low)
+        if mode == "truncate":
+            outside = valid & (log_r > hi)
+            w = torch.exp(log_r.clamp(max=hi))
+        else:
+            outside = valid & ((log_r > hi) | (log_r < lo))
+            w = torch.where(outside, zero, torch.exp(log_r.clamp(min=lo, max=hi)))
+        return torch.where(valid, w, zero), outside
 
 
 def _local_count(action_mask: torch.Tensor, loss_agg_mode: str, constant: float | None) -> torch.Tensor:
@@ -194,7 +277,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
         cliprange_low: ``eps_low > 0``. cliprange_high: ``eps_high > 0``, default ``cliprange_low``
             (symmetric PPO clip); DAPO's "clip-higher" uses e.g. 0.28 with 0.2.
-        is_weights: optional ``(B, A)`` from :func:`truncated_is_weights`.
+        is_weights: optional ``(B, A)`` from :func:`rollout_is_weights` (or :func:`truncated_is_weights`).
         ref_logp: ``(B, A)`` reference log-probs, for the KL loss term.
         kl_loss_coef: beta >= 0 of the KL loss term. kl_loss_kind: a :data:`core.KL_KINDS` name.
         token_stats: if given, filled with detached per-token ``(B, A)`` tensors: ``ratio`` (1 at
@@ -202,7 +285,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             gradient, +1 where the upper one does, else 0); the rollout records keep them.
 
     Returns:
-        ``(loss, stats)``: 0-dim loss; detached local stats (masked means over the micro-batch):
+        ``(loss, stats)``: 0-dim loss, float32 or wider; detached local stats (masked means over the micro-batch):
         ``clip_frac`` (tokens whose gradient a clip removes), of which ``clip_frac_low`` /
         ``clip_frac_high`` by the lower / upper clip,
         ``approx_kl`` (k3 of KL(old || new)), ``ratio_mean``, and ``kl_loss`` / ``is_weight_mean``
@@ -233,8 +316,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if kl_loss_coef > 0 and ref_logp is None:
         raise ValueError("policy_loss: kl_loss_coef > 0 needs ref_logp")
     valid = core.valid_mask(action_mask)
+    logp = logp.to(float_dtype(logp, old_logp))  # bf16 log-probs are promoted: the loss is float32 or wider
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(valid, logp - old_logp.detach(), zero)
+    log_ratio = torch.where(valid, logp - old_logp.detach().to(logp.dtype), zero)
     adv = torch.where(valid, advantages.detach().to(logp.dtype), zero)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio

@@ -225,7 +225,7 @@ def run(argv: list[str] | None = None) -> dict:
     tracker.write(f"step 2 (DPO, {s.dpo.loss_type}, β {s.dpo.beta}, ε {s.dpo.label_smoothing}): "
                   f"{len(train_pairs)} pairs, {total_steps} optimizer steps of global batch {batch.global_batch} "
                   f"pairs ({info.world_size} ranks × {batch.per_device_batch} × {batch.gradient_accumulation_steps} "
-                  f"accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}, reference: {reference.kind}")
+                  f"accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}, reference: {reference.kind}")
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
     if s.reference.precompute_ref_log_probs and reference.kind != "none":

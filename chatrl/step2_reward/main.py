@@ -172,7 +172,7 @@ def run(argv: list[str] | None = None) -> dict:
     tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
                   f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
-                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype}")
+                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}")
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),

@@ -43,6 +43,7 @@ from chatrl.data.schema import Sample, is_identical_pair
 from chatrl.data.sources import read_source
 from chatrl.errors import UsageError
 from chatrl.models import check_context_window, load_tokenizer
+from chatrl.precision import resolve_dtype
 from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
 
 
@@ -117,7 +118,10 @@ def main(argv: list[str] | None = None, out=None) -> dict:
     except ValueError as e:
         parser.error(str(e))
     tokenizer = load_tokenizer(args.model)
-    model = load_reward_model(args.model, tokenizer, dtype=args.dtype, require_head=True).to(device).eval()
+    dtype, why = resolve_dtype(args.dtype, device.type)
+    if why:
+        print(f"{dtype} ({why})", file=sys.stderr)
+    model = load_reward_model(args.model, tokenizer, dtype=dtype, require_head=True).to(device).eval()
     skips: dict[str, int] = {}
     if args.pairs:
         try:

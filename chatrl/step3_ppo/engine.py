@@ -7,11 +7,13 @@
   with a fresh value head;
 * reward: the step-2 reward model, frozen (optionally offloaded), unless functions or servers
   alone give the reward;
-* EMA actor (``--enable_ema``): a frozen copy averaged after every actor step.
+* EMA actor (``--enable_ema``): a frozen copy averaged after every actor step, held in float32
+  (exported in ``--dtype``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -20,7 +22,6 @@ import torch
 
 from chatrl import dist
 from chatrl.certificate import LossScaleProbe
-from chatrl.config import ModelConfig
 from chatrl.models import load_causal_lm
 from chatrl.reward_model import load_reward_model
 from chatrl.sizes import BatchSizes, PPOPlan
@@ -77,12 +78,14 @@ def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPla
     actor_engine = dist.trained_engine(actor, s.actor_optim, s.actor_lora, s.actor_zero, dtype, batch,
                                        plan.actor_steps, plan.num_warmup_steps)
     reference = load_causal_lm(s.actor.model_name_or_path, tokenizer, dtype, dropout=s.actor.dropout,
-                               trust_remote_code=s.actor.trust_remote_code)
+                               trust_remote_code=s.actor.trust_remote_code, fp32_lm_head=s.actor.fp32_lm_head)
     ref_engine = dist.frozen_engine(reference, s.actor_zero.zero_stage, batch, dtype,
                                     s.actor_zero.partition_frozen_models, s.actor_zero.offload_reference_model)
     ema_engine = None
     if ema_model is not None:  # partitioned like the actor under ZeRO-3: the EMA update averages local partitions
-        ema_engine = dist.frozen_engine(ema_model, s.actor_zero.zero_stage, batch, dtype, partition="always",
+        # held in float32 whatever --dtype: an update of (1 - beta) = 0.008 of a bf16 weight's change is
+        # mostly below its rounding step (1/256 of it), and a bf16 average would barely move
+        ema_engine = dist.frozen_engine(ema_model.float(), s.actor_zero.zero_stage, batch, "fp32", partition="always",
                                         offload=False)
     critic_engine = reward_engine = None
     source = s.critic_source()
@@ -90,7 +93,7 @@ def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPla
         path, trained_head = source
         if not trained_head:
             log.info("the critic starts from %s with a fresh value head (no reward model is given)", path)
-        critic_cfg = ModelConfig(**{**vars(s.critic), "model_name_or_path": path})
+        critic_cfg = dataclasses.replace(s.critic, model_name_or_path=path)
         critic = load_trainable("reward", tokenizer, critic_cfg, s.critic_lora, require_head=trained_head).model
         probes["critic"] = LossScaleProbe.start(critic, dtype, probe_on, resuming, train_mode=False, what="critic")
         critic_engine = dist.trained_engine(critic, s.critic_optim, s.critic_lora, s.critic_zero, dtype, batch,

@@ -38,12 +38,14 @@ from chatrl.models import (
     load_tokenizer,
     sampling_settings,
     stop_token_ids,
+    torch_dtype,
 )
 from chatrl.packing import pack
 from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, WeightedReward, build_reward
 from chatrl.rl import core
+from chatrl.rl.loss import check_rollout_is
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
@@ -174,6 +176,8 @@ def build(args, score_fn=None) -> Step3Run:
     s: Step3Settings = config.read(Step3Settings, args)
     algorithm, rollout = s.algorithm, s.rollout
     sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)  # bad flags fail before loading
+    if s.ppo.rollout_is_cap:
+        check_rollout_is(s.ppo.rollout_is_level, s.ppo.rollout_is_mode, s.ppo.rollout_is_cap, s.ppo.rollout_is_cap_low)
     critic_source = s.critic_source()  # before the reward: PPO without any reward names the critic first
     reward_path = s.reward_model_path() if score_fn is None else None
     episodes = s.episodes()
@@ -249,6 +253,7 @@ def build(args, score_fn=None) -> Step3Run:
                   f"{s.ppo.samples_per_prompt} answers per rank × {info.world_size} ranks, {s.ppo.ppo_epochs} "
                   f"epoch(s), {plan.actor_steps} actor optimizer steps, {critic_desc}; actor "
                   f"ZeRO-{s.actor_zero.zero_stage}, hybrid engine {'on' if s.hybrid.enable_hybrid_engine else 'off'}; "
+                  f"{s.actor.dtype_note}{', fp32 LM head' if s.actor.fp32_lm_head else ''}; "
                   f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
                   + (f" (reward model {reward_path})" if reward_path else "")
                   + (f"; episodes of --env {s.env.env}: up to {episodes.max_turns} assistant turns, "
@@ -394,7 +399,7 @@ def _train(run: Step3Run) -> dict:
     if engines.critic is not None:
         save_reward_model(engines.critic.module, tokenizer, f"{out}/critic")
     if engines.ema is not None:
-        save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema")
+        save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema", dtype=torch_dtype(s.actor.dtype))
     if info.is_main:
         write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(run.args)})
     return metrics

@@ -18,7 +18,7 @@ the same for all. Per experience buffer (:func:`chatrl.step3_ppo.main.train` rea
    and concatenated, then the actor's log-probs and entropy, the critic's values (when there is
    one) and the reference's log-probs on the training micro-batches; then
    :meth:`Trainer.finish_experience`: the per-token KL, the algorithm's advantages (and returns)
-   on the rank's whole buffer, truncated importance weights (``--rollout_is_cap``) and the
+   on the rank's whole buffer, importance weights (``--rollout_is_cap``, per token or per answer) and the
    sampler/trainer agreement ``rollout/logp_diff_*``. When the buffer is one training
    micro-batch, the first training step's forwards are the experience's (the same numbers, two
    forwards fewer; ``--separate_experience_pass`` turns it off);
@@ -50,7 +50,7 @@ import torch
 from chatrl.config import PackingConfig, PPOConfig
 from chatrl.envs import EnvFactory
 from chatrl.envs.rollout import episode_seed, run_episodes
-from chatrl.logprobs import logprobs_and_entropy, logprobs_from_logits
+from chatrl.logprobs import float_dtype, logprobs_and_entropy, logprobs_from_logits
 from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
 from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
@@ -61,8 +61,8 @@ from chatrl.rl.loss import (
     logp_diff,
     loss_scale,
     policy_loss,
+    rollout_is_weights,
     step_normalizers,
-    truncated_is_weights,
 )
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import EpisodePlan
@@ -94,7 +94,8 @@ class Experience:
     ``values`` (critic, V(state before token j); ``None`` without a critic); and by
     :meth:`Trainer.finish_experience`: ``kl`` (per-token estimate), ``advantages``, ``returns``
     (critic targets; ``None`` without a critic), ``rewards`` (per-token rewards, when the
-    algorithm builds them), ``is_weights`` (``None`` unless ``--rollout_is_cap``).
+    algorithm builds them), ``is_weights`` (``None`` unless ``--rollout_is_cap``; ``--rollout_is_level``,
+    ``--rollout_is_mode``).
     """
 
     sequences: torch.Tensor
@@ -403,9 +404,10 @@ class Trainer:
     def policy_logits(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int) -> torch.Tensor:
         """The answer logits ``(B, A, V)`` of the actor or the reference, divided by the sampling
-        temperature: the distribution the answers were sampled from."""
+        temperature: the distribution the answers were sampled from (the sampler divides float32
+        logits, so bf16 logits are promoted before the division; at ``T = 1`` they stay as they are)."""
         logits = answer_logits(model, sequences, attention_mask, prompt_len)
-        return logits / self.temperature if self.temperature != 1.0 else logits
+        return logits.to(float_dtype(logits)) / self.temperature if self.temperature != 1.0 else logits
 
     def policy_logp(self, model, exp: Experience, entropy: bool = False):
         """The log-probs ``(B, A)`` of ``exp``'s answer tokens under the actor or the reference at the
@@ -492,7 +494,10 @@ class Trainer:
                                                       self.n, self.all_reduce_sum, exp.turn_rewards), s)
         exp.advantages, exp.returns, exp.rewards = out.advantages, out.returns, out.rewards
         if s.rollout_is_cap > 0:
-            exp.is_weights = truncated_is_weights(exp.logp, exp.sampler_logp, exp.action_mask, s.rollout_is_cap)
+            exp.is_weights, outside = rollout_is_weights(exp.logp, exp.sampler_logp, exp.action_mask,
+                                                         level=s.rollout_is_level, mode=s.rollout_is_mode,
+                                                         cap=s.rollout_is_cap, cap_low=s.rollout_is_cap_low)
+            stats.add_mean("rollout/is_outside_frac", outside.float(), exp.action_mask)
         stats.add_mean("advantage_abs_mean", exp.advantages.abs(), exp.action_mask)
         return logp_diff(exp.sampler_logp, exp.logp, exp.action_mask, self.all_reduce_sum, self.all_reduce_max)
 

@@ -33,16 +33,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def make_engine(model, zero_stage: int):
-    config = cdist.deepspeed_config(BatchSizes(2, 1, cdist.get_world_size()), zero_stage=zero_stage)
+def make_engine(model, zero_stage: int, dtype: str = "fp32"):
+    config = cdist.deepspeed_config(BatchSizes(2, 1, cdist.get_world_size()), zero_stage=zero_stage, dtype=dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     return cdist.initialize(model, config, optimizer)
 
 
-def load_actor(path: str, lora_dim: int, seed: int = 0):
+def load_actor(path: str, lora_dim: int, seed: int = 0, dtype: str = "fp32"):
     tok = load_tokenizer(path, padding_side="left")
-    model = load_causal_lm(path, tok)
+    model = load_causal_lm(path, tok, dtype)
     if lora_dim:
         model = apply_lora(model, LoraConfig(lora_dim=lora_dim, lora_module_name="layers."))
         gen = torch.Generator().manual_seed(seed)
@@ -154,6 +154,40 @@ def check_exact(engine, tok, results, tps, rank, n, lora):
     results["timings"] = {k: round(v, 4) for k, v in engines[max(tps)].timings.items()}
 
 
+def check_share(engine, tok, results, tps, rank, n, rows=32):
+    """Greedy tokens through the engine against plain HF generate on the same weights, in the engine's
+    dtype: the share of this job's prompts (``rows`` per rank, prompt lengths 4 to 19) whose answers are
+    equal token for token, and the first step at which any answer differs, per TP size. In bf16 the
+    two decoders round differently (the engine's ``W @ hᵀ`` head and preallocated cache against HF's),
+    and a near-tie between the two likeliest tokens can flip; in fp32 every answer is equal."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    lengths = [4 + (i % 16) for i in range(rows)]
+    width = max(lengths)
+    ids = torch.full((rows, width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, m in enumerate(lengths):
+        ids[i, width - m:] = torch.randint(3, len(tok) - 1, (m,), generator=gen)
+        mask[i, width - m:] = 1
+    pad = tok.pad_token_id
+    ref = reference_model(engine.module)
+    rseq = ref_generate(ref, ids, mask, n, [pad], pad)[0][:, width:]
+    for tp in tps:
+        he = HybridEngine(engine, inference_tp_size=tp)
+        seq = he.generate(ids, mask, max_new_tokens=n, eos_token_id=[pad], pad_token_id=pad)[:, width:]
+        he.exit_inference()
+        equal = (seq == rseq).all(dim=1)
+        differs = (seq != rseq).any(dim=0).nonzero()
+        first = int(differs[0]) if len(differs) else n
+        counts = torch.tensor([float(equal.sum()), float(rows), float(first)])
+        tdist = torch.distributed
+        total = counts[:2].clone()
+        tdist.all_reduce(total)
+        first_t = counts[2:].clone()
+        tdist.all_reduce(first_t, op=tdist.ReduceOp.MIN)
+        results.setdefault("share", {})[f"tp{tp}"] = {"equal": int(total[0]), "prompts": int(total[1]),
+                                                      "first_divergence": int(first_t[0]), "tokens": n}
+
+
 def check_stop(engine, tok, results, tps, rank, n):
     """Rank 0's rows end within 3 tokens, rank 1's run to the end: nobody hangs, tokens exact."""
     ids, mask = prompts(tok, rank)
@@ -224,6 +258,7 @@ def main():
     ap.add_argument("--new_tokens", type=int, default=12)
     ap.add_argument("--checks", default="exact")
     ap.add_argument("--extra_stage", type=int, default=-1, help="also check exactness under this ZeRO stage")
+    ap.add_argument("--dtype", default="fp32", help="the actor's dtype (the share check: bf16)")
     args = ap.parse_args()
     info = cdist.init_distributed()
     torch.manual_seed(0)
@@ -231,8 +266,10 @@ def main():
     checks = set(args.checks.split(","))
     results: dict = {"model": os.path.basename(args.model), "zero_stage": args.zero_stage, "lora": args.lora}
     t0 = time.perf_counter()
-    tok, model = load_actor(args.model, args.lora)
-    engine = make_engine(model, args.zero_stage)
+    tok, model = load_actor(args.model, args.lora, dtype=args.dtype)
+    engine = make_engine(model, args.zero_stage, args.dtype)
+    if "share" in checks:
+        check_share(engine, tok, results, tps, info.rank, args.new_tokens)
     if "exact" in checks:
         check_exact(engine, tok, results, tps, info.rank, args.new_tokens, args.lora)
     if "stop" in checks:

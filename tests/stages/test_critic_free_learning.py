@@ -61,22 +61,29 @@ def arith_sft(tmp_path_factory):
     return {"root": root, "held_out": held_out, "before": before}
 
 
+# GRPO's held-out gain in fp32 (2026-12-01): 30% -> 43%, +13 points; step 3 in bf16 (the same fp32
+# step-1 model) must reach 90% of it.
+GRPO_FP32_GAIN = 0.13
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
-def test_critic_free_raises_held_out_accuracy(arith_sft, tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm,dtype", [("grpo", "fp32"), ("rloo", "fp32"), ("grpo", "bf16")])
+def test_critic_free_raises_held_out_accuracy(arith_sft, tmp_path, algorithm, dtype):
     _, eval_exact_match = _scripts()
     root, out = arith_sft["root"], tmp_path / algorithm
     run_ranks(["-m", "chatrl.step3_ppo", "--rl_algorithm", algorithm, "--reward_fn", "exact_match",
                "--actor_model_name_or_path", str(root / "sft"), "--data_path", str(root / "prompts.jsonl"),
-               "--data_split", "0,0,10", "--data_output_path", str(root / "cache"), *STEP3,
-               "--output_dir", str(out), "--disable_progress_bar"], timeout=400)
+               "--data_split", "0,0,10", "--data_output_path", str(root / "cache"), *STEP3, "--dtype", dtype,
+               "--output_dir", str(out), "--disable_progress_bar"], timeout=600)
     rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "kl" in r]
     assert len(rows) == 100
     reward = [r["reward/exact_match"] for r in rows]
     assert sum(reward[-10:]) > sum(reward[:10]) + 1.0, reward  # training prompts: sampled accuracy +10 points
     after = eval_exact_match.evaluate(str(out / "actor"), arith_sft["held_out"])
-    print(f"LEARNING {algorithm} held-out {arith_sft['before']:.2f} -> {after:.2f}, kl max {max(r['kl'] for r in rows):.2f}")
+    print(f"LEARNING {algorithm} {dtype} held-out {arith_sft['before']:.2f} -> {after:.2f}, "
+          f"kl max {max(r['kl'] for r in rows):.2f}")
     # measured on 100 held-out problems: 30% -> 43% (GRPO), 44% (RLOO); KL at most 2.76 / 2.53 nats
-    assert after >= arith_sft["before"] + 0.1, (algorithm, arith_sft["before"], after)
+    gain = 0.1 if dtype == "fp32" else 0.9 * GRPO_FP32_GAIN
+    assert after >= arith_sft["before"] + gain - 1e-9, (algorithm, dtype, arith_sft["before"], after)
     assert max(r["kl"] for r in rows) <= 4.0, [r["kl"] for r in rows]

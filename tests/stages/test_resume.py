@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from tests.conftest import DATA, STORIES
 from tests.launch import run_ranks
@@ -70,7 +71,11 @@ def test_step2_resume_follows_the_uninterrupted_trajectory(tmp_path):
 
 
 @pytest.mark.slow
-def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path, dtype):
+    """PPO with the hybrid engine, LoRA, the EMA, PTX and the adaptive KL controller, in fp32 and in bf16
+    (resumed figures and saved weights equal to the last bit in bf16; the exports in bf16, the EMA's
+    from its fp32 average, the critic scoring the same in plain transformers)."""
     from safetensors.torch import load_file
 
     from chatrl.models import load_tokenizer
@@ -87,18 +92,49 @@ def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path):
              "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--num_warmup_steps", "0",
              "--enable_ema", "--unsupervised_dataset_name", str(DATA / "alpaca-instructions[0:64]"),
              "--unsup_coef", "0.5", "--kl_ctl", "adaptive", "--kl_target", "0.01", "--kl_horizon", "100",
-             "--save_interval", "2", "--disable_progress_bar"]
+             "--save_interval", "2", "--disable_progress_bar", "--dtype", dtype]
     keys = ["actor_loss", "critic_loss", "ptx_loss", "reward/score_mean", "kl", "kl_coef", "samples"]
     straight, resumed, s_dir, r_dir = _straight_stopped_resumed(tmp_path, flags, keys, 3, ["step_2"])
     state = json.loads((r_dir / "checkpoints" / "step_2" / "complete.json").read_text())
     assert state["samples"] == 16 and state["ptx_batches"] == 4 and state["kl_ctl"]["kind"] == "adaptive"
     assert straight[4]["kl_coef"] != straight[1]["kl_coef"]  # the controller moved: its state matters
+    tol = 1e-6 if dtype == "fp32" else 0.0
     for step in (3, 4):
         for k in keys:
-            assert resumed[step][k] == pytest.approx(straight[step][k], abs=1e-6), (step, k)
+            assert resumed[step][k] == pytest.approx(straight[step][k], abs=tol), (step, k)
     for sub in ("actor", "actor_ema", "critic"):
         a, b = load_file(s_dir / sub / "model.safetensors"), load_file(r_dir / sub / "model.safetensors")
-        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, sub
+        assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= tol, sub
+        assert {t.dtype for t in a.values()} == {torch.float32 if dtype == "fp32" else torch.bfloat16}, sub
+    if dtype == "bf16":
+        _bf16_ema_and_critic_exports(tmp_path, s_dir, tok)
+
+
+def _bf16_ema_and_critic_exports(tmp_path, out, tok):
+    """The bf16 EMA moved off the actor's start (a bf16 average of updates 0.008 times a weight's change
+    would mostly round away); the critic export scores as chatrl's loader in plain transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    from chatrl.reward_model import load_reward_model
+
+    start = load_file(STORIES / "model.safetensors")
+    ema = load_file(out / "actor_ema" / "model.safetensors")
+    moved = max((ema[k].float() - start[k].float()).abs().max().item() for k in start if k in ema
+                and ema[k].shape == start[k].shape)
+    assert moved > 0, moved
+    rows = [tok("Once upon a time there was a cat").input_ids, tok("The cat sat").input_ids]
+    ids = torch.full((2, max(map(len, rows))), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    ours = load_reward_model(str(out / "critic"), tok, dtype="bf16", require_head=True).eval()
+    hf = AutoModelForSequenceClassification.from_pretrained(out / "critic", num_labels=1).eval()
+    assert hf.dtype == torch.bfloat16
+    with torch.no_grad():
+        mine = ours(ids, mask).end_scores
+        theirs = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+    assert (theirs - mine).abs().max() <= mine.abs().max() * 2 ** -8 + 1e-6, (mine, theirs)
 
 
 @pytest.mark.slow

@@ -58,11 +58,22 @@ def test_step1_stories260k_lora_only_moves_lora_and_saves_merged(tmp_path):
     assert list((out / "logs" / "tb").glob("events.out.tfevents.*"))
 
 
+# ZeRO 0/2/3 loss curves agree to fp32 rounding. In bf16, ZeRO-2 and 3 agree as closely (measured
+# 2026-12-01: equal to the last bit), while ZeRO-0 (DeepSpeed's bf16 data-parallel optimizer: bf16
+# gradients accumulated and all-reduced whole, fp32 master weights) rounds elsewhere: at most 0.028
+# apart over 6 steps of loss about 3; BF16_STAGE_GAP states the tolerance (docs/precision.md).
+BF16_STAGE_GAP = 4e-2
+
+
 @pytest.mark.slow
-def test_zero_stages_follow_the_same_loss_curve(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero_stages_follow_the_same_loss_curve(tmp_path, dtype):
     curves = {}
     for stage in ("0", "2", "3"):
-        out, _ = _step1(tmp_path, f"z{stage}", STORIES, "--zero_stage", stage, steps=6)
+        out, _ = _step1(tmp_path, f"z{stage}", STORIES, "--zero_stage", stage, "--dtype", dtype, steps=6)
         curves[stage] = _metrics(out)[0]
+    print(dtype, "loss curves by ZeRO stage:", curves)
+    assert curves["3"] == pytest.approx(curves["2"], abs=2e-4), curves
     for stage in ("2", "3"):
-        assert curves[stage] == pytest.approx(curves["0"], abs=2e-4), (stage, curves)
+        assert curves[stage] == pytest.approx(curves["0"], abs=2e-4 if dtype == "fp32" else BF16_STAGE_GAP), \
+            (stage, curves)

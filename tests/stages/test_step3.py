@@ -7,19 +7,28 @@ import pytest
 
 from tests.launch import run_ranks
 
+# The gain (mean score of the last five steps minus the first step's), measured 2026-12-01 with seeds
+# 1234 (this test's), 1 and 2: fp32 0.496, 0.533, 0.464 (mean 0.498); bf16 0.393, 0.530, 0.485 (mean
+# 0.469, 94% of fp32's). One run's gain varies by about +-0.07 with the seed in either dtype, so a
+# single bf16 run is held to 75% of this seed's fp32 gain; the mean over seeds is docs/precision.md's.
+PPO_FP32_GAIN = 0.496
+
 
 @pytest.mark.slow
-def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path, dtype):
     result = tmp_path / "ppo.json"
-    run_ranks(["tests/stages/ppo_worker.py", str(result), str(tmp_path), "--steps", "30", "--hybrid"], timeout=600)
+    run_ranks(["tests/stages/ppo_worker.py", str(result), str(tmp_path), "--steps", "30", "--hybrid", "--",
+               "--dtype", dtype], timeout=600)
     res = json.loads(result.read_text())
     first = res["first"]
-    # actor == reference with dropout 0.1 in the config: eval-mode passes give exact equality
+    # actor == reference with dropout 0.1 in the config: eval-mode passes give exact equality, in bf16 too
     assert first["max_abs_kl"] == 0.0 and first["logp_equals_ref"]
     assert first["ratio_mean"] == 1.0 and first["clip_frac"] == 0.0 and first["approx_kl"] == 0.0
     reward, kl = res["reward"], res["kl"]
     end = sum(reward[-5:]) / 5
-    assert end > reward[0] + 0.4, reward  # seen: 0.73 -> 1.36
+    print(f"PPO {dtype}: score {reward[0]:.3f} -> {end:.3f} (last five), KL max {max(kl):.2f}")
+    assert end > reward[0] + (0.4 if dtype == "fp32" else 0.75 * PPO_FP32_GAIN), reward  # fp32 seen: 0.75 -> 1.25
     assert max(kl) < 8.0, kl  # seen: at most 4.2 nats per answer with beta 0.3
 
 

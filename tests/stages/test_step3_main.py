@@ -13,7 +13,7 @@ from tests.launch import run_ranks
 
 METRICS = ["reward/score_mean", "reward/score_std", "kl", "entropy", "actor_loss", "critic_loss", "clip_frac",
            "approx_kl", "explained_variance", "answer_len", "eos_rate", "time/generate", "time/train",
-           "time/gather", "samples_per_s", "ptx_loss", "kl_coef"]
+           "time/gather", "samples_per_s", "ptx_loss", "kl_coef", "rollout/logp_diff_max", "rollout/logp_diff_mean"]
 
 
 @pytest.mark.slow

@@ -46,3 +46,22 @@ def test_bandwidth_arithmetic():
     out = gc.decode_bandwidth(bench, argparse.Namespace(prompt_tokens=10, new_tokens=20))
     assert out["bytes_per_step"] == 2e9 + 320_000
     assert out["bytes_per_s"] == pytest.approx(20 * (2e9 + 320_000) / 4.0)
+
+
+def test_step3_figures_from_a_metrics_log():
+    """Three steps of 16 rollouts; the first (warm-up) left out. Steps 2 and 3 take 16 / 8 = 2 s and
+    16 / 4 = 4 s: 32 rollouts in 6 s = 5.333 samples/s. Answers of 200 and 100 tokens, generated in 1 s
+    and 3 s: (16 · 200 + 16 · 100) / 4 = 1200 tokens/s; mean answer 150 tokens."""
+    gc = _gpu_check()
+    rows = [{"samples": 16, "samples_per_s": 1.0, "answer_len": 256.0, "time/generate": 9.0, "time/experience": 1.0,
+             "time/train": 5.0},
+            {"samples": 32, "samples_per_s": 8.0, "answer_len": 200.0, "time/generate": 1.0, "time/experience": 0.5,
+             "time/train": 0.5},
+            {"samples": 48, "samples_per_s": 4.0, "answer_len": 100.0, "time/generate": 3.0, "time/experience": 0.5,
+             "time/train": 0.5}]
+    out = gc.step3_figures(rows)
+    assert out["steps"] == 2
+    assert out["samples_per_s"] == pytest.approx(32 / 6)
+    assert out["generated_tokens_per_s"] == pytest.approx(1200.0)
+    assert out["answer_len"] == pytest.approx(150.0)
+    assert out["phase_s"] == {"generate": 4.0, "experience": 1.0, "train": 1.0}

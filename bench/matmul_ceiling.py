@@ -1,0 +1,168 @@
+"""This CPU's matrix-product rate in bf16 and fp32 with the shapes step 3's models use, and the training
+phase's achieved FLOP/s against it, printed as JSON.
+
+The ceiling: every matrix product of one PPO training micro-step of the larger PPO set-up (OPT, hidden
+512, 8 layers, FFN 2048, vocabulary 50272; 4 rollouts of 128 + 64 tokens; the actor's LM head on the 65
+answer positions; the critic's body; forward, then the backward's two products per linear layer) is
+timed alone on one thread (what one rank uses on this 2-core machine), and the rates are weighted by
+each product's share of the step's FLOPs: the rate a step would reach if it were nothing but its matrix
+products, back to back.
+
+The achieved rate: the FLOPs of step 3's training phase (the actor's and the critic's forward and
+backward of each micro-step; 2 FLOPs per multiply-add; attention's two products per head included)
+divided by the phase's measured seconds, ``time/train`` of a step-3 metrics log of that set-up
+(``--metrics``, e.g. a run of ``bench/step3.py --side_by_side --hidden 512 --layers 8 --dtype bf16``),
+or of a short run made here (``--run``: ZeRO-0, hybrid engine, ``--steps`` steps, the first dropped).
+
+    .venv/bin/python bench/matmul_ceiling.py                       # the ceiling, bf16 and fp32
+    .venv/bin/python bench/matmul_ceiling.py --run --dtype bf16    # and step 3's training phase against it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The larger PPO set-up of docs/performance.md."""
+
+    hidden: int = 512
+    layers: int = 8
+    ffn: int = 2048
+    heads: int = 8
+    vocab: int = 50272
+    batch: int = 4
+    prompt: int = 128
+    answer: int = 64
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.prompt + self.answer)
+
+
+def products(s: Setup) -> list[tuple[str, int, int, int, int]]:
+    """``(name, m, k, n, count)`` of every matrix product ``(m × k) @ (k × n)`` in one training micro-step
+    of the actor and the critic (the critic: the same body, a scalar head)."""
+    t, h, f, d = s.tokens, s.hidden, s.ffn, s.hidden // s.heads
+    seq = s.prompt + s.answer
+    head_rows = s.batch * (s.answer + 1)
+    linear = [("qkvo", h, h, 4), ("fc1", h, f, 1), ("fc2", f, h, 1)]
+    out = []
+    for name, k, n, per_layer in linear:
+        c = per_layer * s.layers * 2  # actor and critic
+        out += [(f"{name} fwd", t, k, n, c), (f"{name} bwd dx", t, n, k, c), (f"{name} bwd dw", k, t, n, c)]
+    att = s.batch * s.heads * s.layers * 2
+    out += [("attn qk fwd", seq, d, seq, att), ("attn av fwd", seq, seq, d, att),
+            ("attn bwd", seq, seq, d, 4 * att)]  # two products per forward product
+    out += [("lm head fwd", head_rows, h, s.vocab, 1), ("lm head bwd dx", head_rows, s.vocab, h, 1),
+            ("lm head bwd dw", h, head_rows, s.vocab, 1)]
+    return out
+
+
+def step_flops(s: Setup) -> float:
+    """FLOPs of one training micro-step (2 per multiply-add)."""
+    return sum(2.0 * m * k * n * c for _, m, k, n, c in products(s))
+
+
+def rate(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """GFLOP/s of ``(m × k) @ (k × n)`` in ``dtype`` on this thread: the best of repeated timings."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    for _ in range(2):
+        a @ b
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end or best == float("inf"):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * m * k * n / best / 1e9
+
+
+def ceiling(s: Setup, dtype: torch.dtype) -> dict:
+    """Per product its rate, and the FLOP-weighted rate of the step (total FLOPs / sum of their times)."""
+    rows, total_s = [], 0.0
+    for name, m, k, n, c in products(s):
+        g = rate(m, k, n, dtype)
+        flops = 2.0 * m * k * n * c
+        total_s += flops / (g * 1e9)
+        rows.append({"product": name, "shape": [m, k, n], "count": c, "gflops": round(g, 1),
+                     "flop_share": None})
+    total = step_flops(s)
+    for row, (_, m, k, n, c) in zip(rows, products(s), strict=True):
+        row["flop_share"] = round(2.0 * m * k * n * c / total, 4)
+    return {"gflops": round(total / total_s / 1e9, 1), "products": rows}
+
+
+def run_step3(dtype: str, steps: int, work: Path) -> Path:
+    """The larger set-up's step 3 at ZeRO-0 with the hybrid engine; returns its metrics log."""
+    import subprocess
+
+    from bench.step3 import make_side_by_side_setup
+
+    a = argparse.Namespace(hidden=512, layers=8)
+    setup = make_side_by_side_setup(work, a)
+    out = work / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "chatrl.step3_ppo",
+           "--actor_model_name_or_path", setup["sft"], "--critic_model_name_or_path", setup["rm"],
+           "--data_path", setup["prompts"], "--data_split", "0,0,10", "--data_output_path", str(work / "cache"),
+           "--max_prompt_seq_len", "128", "--max_answer_seq_len", "64", "--per_device_generation_batch_size", "4",
+           "--per_device_training_batch_size", "4", "--max_steps", str(steps), "--num_warmup_steps", "0",
+           "--temperature", "0.7", "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--enable_hybrid_engine",
+           "--seed", "1", "--dtype", dtype, "--disable_progress_bar", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run(cmd, env=env, cwd=REPO, check=True, capture_output=True)
+    return out / "logs" / "metrics.jsonl"
+
+
+def achieved(metrics: Path, s: Setup, skip: int) -> dict:
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    rows = [r for r in rows if "time/train" in r][skip:]
+    train_s = sum(r["time/train"] for r in rows) / len(rows)
+    return {"steps": len(rows), "train_s_per_step": round(train_s, 3),
+            "gflops": round(step_flops(s) / train_s / 1e9, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the training run's dtype")
+    p.add_argument("--metrics", default=None, help="a step-3 metrics.jsonl of the larger set-up (one micro-step "
+                                                   "per step: 4 rollouts per rank, 1 PPO epoch)")
+    p.add_argument("--run", action="store_true", help="run step 3 here (ZeRO-0, --steps steps) and read its log")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--skip", type=int, default=1, help="first steps left out (warm-up)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (one per rank on this machine)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    s = Setup()
+    result = {"bench": "matmul_ceiling", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
+              "cpu": torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None,
+              "setup": vars(s) | {"tokens": s.tokens}, "step_gflop": round(step_flops(s) / 1e9, 2),
+              "ceiling": {name: ceiling(s, dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}}
+    result["ceiling_bf16_over_fp32"] = round(result["ceiling"]["bf16"]["gflops"] / result["ceiling"]["fp32"]["gflops"], 2)
+    metrics = Path(a.metrics) if a.metrics else None
+    with tempfile.TemporaryDirectory(prefix="chatrl_ceiling_") as tmp:
+        if a.run:
+            metrics = run_step3(a.dtype, a.steps, Path(tmp))
+        if metrics is not None:
+            got = achieved(metrics, s, a.skip)
+            got["dtype"] = a.dtype
+            got["share_of_ceiling"] = round(got["gflops"] / result["ceiling"][a.dtype]["gflops"], 3)
+            result["training_phase"] = got
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
