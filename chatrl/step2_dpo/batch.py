@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from chatrl.data.collate import PairCollator, pad_sequences, to_device
+from chatrl.data.collate import PackedPairCollator, PairCollator, pad_sequences, to_device
 from chatrl.models import causal_lm_logits
-from chatrl.packing import pack
 from chatrl.step2_dpo.loss import answer_logps, packed_answer_logps
 
 
@@ -63,24 +62,17 @@ class DPOCollator:
         return {"input_ids": ids, "attention_mask": mask, "answer_mask": answer, "index": index}
 
 
-class PackedDPOCollator(DPOCollator):
-    """:class:`DPOCollator`'s pairs as packed rows: ``packed`` (:class:`chatrl.packing.PackedRows` of the
-    ``B`` chosen sequences then the ``B`` rejected ones), ``input_ids`` its rows, ``attention_mask``
-    None, ``prompt_len (2B,)`` and ``index (B,)``. ``row_tokens``: see :func:`chatrl.packing.pack`."""
-
-    packs = True
-
-    def __init__(self, pad_token_id: int, row_tokens: int = 0):
-        super().__init__(pad_token_id)
-        self.row_tokens = row_tokens
+class PackedDPOCollator(PackedPairCollator):
+    """:class:`DPOCollator`'s pairs as packed rows: :class:`chatrl.data.collate.PackedPairCollator`'s
+    batch (``packed``: the ``B`` chosen sequences then the ``B`` rejected ones; ``input_ids`` its rows,
+    ``attention_mask`` None) with ``prompt_len (2B,)`` and ``index (B,)``. ``row_tokens``: see
+    :func:`chatrl.packing.pack`."""
 
     def __call__(self, batch: Sequence[dict]) -> dict:
-        packed = pack([x["chosen_input_ids"] for x in batch] + [x["rejected_input_ids"] for x in batch],
-                      self.pad_token_id, self.row_tokens)
-        prompt_len = torch.tensor([int(x["prompt_len"]) for x in batch] * 2, dtype=torch.long)
-        index = torch.tensor([int(x.get("index", -1)) for x in batch], dtype=torch.long)
-        return {"input_ids": packed.input_ids, "attention_mask": None, "packed": packed, "prompt_len": prompt_len,
-                "index": index}
+        out = super().__call__(batch)
+        out["prompt_len"] = torch.tensor([int(x["prompt_len"]) for x in batch] * 2, dtype=torch.long)
+        out["index"] = torch.tensor([int(x.get("index", -1)) for x in batch], dtype=torch.long)
+        return out
 
 
 def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
