@@ -55,7 +55,7 @@ def step1(out: Path, work: Path, patch: str | None = None):
     argv.remove("--disable_loss_scale_probe")
     saved = sft.sft_nll, sft.batches_from
     if patch == "loss_twice":
-        sft.sft_nll = lambda *a: (lambda nll, n: (nll / 2, n))(*saved[0](*a))  # divided by gas once more
+        sft.sft_nll = lambda *a, **kw: (lambda nll, n: (nll / 2, n))(*saved[0](*a, **kw))  # divided by gas once more
     elif patch == "skipped_data":
         def skipping(loader, step, steps_per_epoch, batches_per_step):
             it = saved[1](loader, step, steps_per_epoch, batches_per_step)
