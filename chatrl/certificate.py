@@ -65,6 +65,14 @@ class Property:
     message: str
     details: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # plain numbers in certificate.json, whatever the caller computed them with (a 0-dim tensor included)
+        self.figure = None if self.figure is None else float(self.figure)
+        self.bound = None if self.bound is None else float(self.bound)
+        self.passed = None if self.passed is None else bool(self.passed)
+        self.details = {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+                        for k, v in self.details.items()}
+
     @property
     def name(self) -> str:
         """The property's name (``PROPERTIES``)."""
@@ -367,6 +375,8 @@ class LossScaleProbe:
         """
         if not self.active:
             return self.property_unchecked()
+        if isinstance(engine_norm, torch.Tensor):  # DeepSpeed's bf16 and ZeRO optimizers return a 0-dim tensor
+            engine_norm = float(engine_norm)
         gathered = [None] * get_world_size() if is_main() else None
         if torch.distributed.is_initialized() and get_world_size() > 1:
             torch.distributed.gather_object(items, gathered, dst=0)
