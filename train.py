@@ -175,7 +175,8 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
     (``--save_rollouts``) for ``python -m chatrl.inspect`` and ``python -m chatrl.replay``."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
-    common = {"data_path": data, "data_split": "2,4,4", "data_output_path": output / "data_cache"}
+    # fp32: in bf16 (--dtype bf16) the demo's step-2 accuracy and step-3 EOS rate came out lower (docs/precision.md)
+    common = {"data_path": data, "data_split": "2,4,4", "data_output_path": output / "data_cache", "dtype": "fp32"}
     step1 = {**common, "data_path": [*data, str(SHARED / "data" / "alpaca-instructions")], "zero_stage": 3,
              "max_seq_len": 256, "per_device_train_batch_size": 16, "learning_rate": "2e-3", "num_warmup_steps": 0.08,
              "num_train_epochs": 2, "eval_interval": 50, "eval_eos_samples": 32, "save_interval": 25}
@@ -541,8 +542,9 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         for s in (1, 2, 3):  # every step's parser has --data_path (DataConfig)
             presets[s] = {"data_path": a.data_path or DEFAULT_DATA, **presets[s]}
     presets = with_packing(presets, actor, reward)
-    for preset in presets.values():  # a preset that pins a dtype keeps it
-        preset.setdefault("dtype", a.dtype)
+    # every step's dtype: a preset may pin one (the demo: fp32), a --dtype given wins; DPO takes step 1's
+    for preset in (presets[s] for s in (1, 2, 3)):
+        preset["dtype"] = a.dtype if a.dtype != "auto" else preset.get("dtype", a.dtype)
     if (a.node_rank is not None or a.master_addr) and deployment != "multi_node":
         raise SystemExit("train.py: --node-rank and --master-addr are for --deployment-type multi_node")
     cmd, env = launcher(deployment, a.num_gpus, a.hostfile, a.master_port, a.node_rank, a.master_addr)
@@ -551,7 +553,7 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
     models = {1: {"model_name_or_path": actor}, 2: {"model_name_or_path": reward},
               3: {"actor_model_name_or_path": str(dirs[1]),
                   "critic_model_name_or_path": None if skip2 else str(dirs[2]), **rl_flags}}
-    dtypes = {resolve_dtype(p["dtype"], "cpu" if deployment == "cpu" else None) for p in presets.values()}
+    dtypes = {resolve_dtype(presets[s]["dtype"], "cpu" if deployment == "cpu" else None) for s in steps}
     messages = [f"train.py: steps {steps} → {out} ({deployment}; actor {actor}; "
                 f"{', '.join(d + (f' ({why})' if why else '') for d, why in sorted(dtypes))}; "
                 f"{'reward ' + reward if not skip2 else 'step 3 ' + settings.rl.rl_algorithm})"]

@@ -67,6 +67,7 @@ GRPO_FP32_GAIN = 0.13
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("algorithm,dtype", [("grpo", "fp32"), ("rloo", "fp32"), ("grpo", "bf16")])
 def test_critic_free_raises_held_out_accuracy(arith_sft, tmp_path, algorithm, dtype):
     _, eval_exact_match = _scripts()

@@ -74,6 +74,7 @@ def calc_sft(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_grpo_with_the_calculator_raises_held_out_accuracy(calc_sft, tmp_path):
     _, ev = _scripts()
     root, out = calc_sft["root"], tmp_path / "grpo"

@@ -11,7 +11,7 @@ from tests.launch import REPO, run_ranks
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, stage", [(1, "0"), (2, "3")])
+@pytest.mark.parametrize("ranks, stage", [(1, "0"), pytest.param(2, "3", marks=pytest.mark.extended)])
 def test_token_budget_packed_micro_batches_give_the_padded_step_gradient(tmp_path, tiny_opt, ranks, stage):
     out = tmp_path / "result.json"
     run_ranks([str(REPO / "tests" / "stages" / "packing_worker.py"), str(out), str(tmp_path), str(tiny_opt), stage],

@@ -58,6 +58,7 @@ def test_dpo_zero_stages_agree_and_resume_is_exact(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dpo_after_step1_on_stories260k_prefers_chosen_and_keeps_eos_with_rpo(tmp_path):
     common = ["--max_seq_len", "256", "--per_device_eval_batch_size", "32", "--eval_eos_samples", "32",
               "--eval_max_new_tokens", "64", "--data_output_path", str(tmp_path / "cache"), "--disable_progress_bar"]

@@ -270,3 +270,22 @@ def test_demo_warmups_are_fractions_that_keep_the_demos_steps_and_fit_a_short_ru
         assert warmup_steps(fraction, 0, 3, "steps")[0] < 3
     train.dpo_plan(tmp_path, presets, dirs, models, [1, 2])
     assert warmup_steps(presets[2]["num_warmup_steps"], 0, 46, "steps") == (10, None)
+
+
+def test_train_py_dtype_auto_by_default_the_demo_pins_fp32_and_a_given_dtype_wins(tmp_path):
+    """train.py's --dtype defaults to auto; the demo preset pins fp32 (its bf16 figures came out lower,
+    docs/precision.md); a --dtype the user gives wins over a preset's; DPO takes step 1's dtype."""
+    out = ["--output-dir", str(tmp_path / "o")]
+
+    def dtypes(argv):
+        runs = train.plan(argv).runs
+        return {r.step: r.argv[r.argv.index("--dtype") + 1] for r in runs}
+
+    assert dtypes(["--preset", "demo", *out]) == {1: "fp32", 2: "fp32", 3: "fp32"}
+    assert dtypes(["--preset", "demo", *out, "--dtype", "bf16"]) == {1: "bf16", 2: "bf16", 3: "bf16"}
+    assert dtypes(["--preset", "demo", *out, "--step2-method", "dpo"]) == {1: "fp32", 2: "fp32"}
+    from tests.conftest import DATA, STORIES
+
+    own = ["--actor-model", str(STORIES), "--reward-model", str(STORIES), "--deployment-type", "cpu",
+           "--data-path", str(DATA / "hh-rlhf" / "helpful-base"), *out]
+    assert dtypes(own) == {1: "auto", 2: "auto", 3: "auto"}  # each step resolves it and prints its choice
