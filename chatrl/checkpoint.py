@@ -88,13 +88,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(engines: dict, output_dir: str | os.PathLike, step: int, state: dict,
-                    keep: int = 2, write_extra=None) -> Path:
+                    keep: int = 2, write_extra=None, spare=None) -> Path:
     """Write a resumable checkpoint of ``engines`` (name → DeepSpeed engine) at optimizer step ``step``.
 
     Every rank writes its ZeRO partitions and RNG state into ``OUTPUT/checkpoints/.tmp-step_N``;
     after a barrier rank 0 writes ``complete.json`` (``state``: counters, loader position…) and
     renames the folder to ``step_N`` in one atomic rename, then keeps only the newest ``keep``
-    checkpoints. A crash at any point leaves earlier checkpoints intact and no ``step_N`` folder
+    checkpoints (and any whose step ``spare(step)`` holds). A crash at any point leaves earlier checkpoints intact and no ``step_N`` folder
     without ``complete.json``. ``write_extra(folder)``, if given, runs on every rank before the
     final barrier (per-rank files of the caller's own). All ranks must call it.
     """
@@ -115,7 +115,8 @@ def save_checkpoint(engines: dict, output_dir: str | os.PathLike, step: int, sta
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(list_checkpoints(output_dir), key=lambda p: int(p.name[5:]))[:-keep or None]:
-            shutil.rmtree(old, ignore_errors=True)
+            if spare is None or not spare(int(old.name[5:])):
+                shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 
@@ -204,13 +205,16 @@ class LoopCheckpoints:
         extra_state: name → an object with ``state_dict()`` (a collective: every rank calls it; rank 0's
             result is saved as ``NAME.pt``, tensors and plain containers) and ``load_state_dict(state)``
             (every rank, on resume): the data accounting (:class:`chatrl.certificate.DataAccounting`).
+        spare: ``spare(step) -> bool``: checkpoints of such steps outlive ``--save_total_limit`` (step 3:
+            the one a recorded step starts from, which ``python -m chatrl.replay`` needs).
     """
 
     def __init__(self, ckpt: CheckpointConfig, output_dir: str, engines: dict, layout: dict,
-                 extra_modules: dict | None = None, extra_state: dict | None = None):
+                 extra_modules: dict | None = None, extra_state: dict | None = None, spare=None):
         self.cfg, self.output_dir, self.engines, self.layout = ckpt, output_dir, engines, layout
         self.extra = extra_modules or {}
         self.extra_state = extra_state or {}
+        self.spare = spare
         self.guard = NonFiniteGuard(engines, ckpt.max_nonfinite_steps)
         # for the Ctrl-C line: does the same command continue from the newest checkpoint?
         set_progress(resumes=bool(ckpt.resume and not ckpt.resume_from_checkpoint))
@@ -294,7 +298,7 @@ class LoopCheckpoints:
                     torch.save(extra, os.path.join(folder, f"{name}.pt"))
 
         path = save_checkpoint(self.engines, self.output_dir, step, {**state, "layout": self.layout},
-                               keep=self.cfg.save_total_limit, write_extra=write_extra)
+                               keep=self.cfg.save_total_limit, write_extra=write_extra, spare=self.spare)
         set_progress(saved=str(path), saved_step=step)
 
 

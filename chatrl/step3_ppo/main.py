@@ -264,7 +264,8 @@ def build(args, score_fn=None) -> Step3Run:
     evidence = Step3Evidence(s, args, info, plan, trainer, engines.probes, loader, data.report)
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, trained, plan.layout,
                            {"actor_ema": engines.ema.module} if engines.ema is not None else None,
-                           extra_state={"data_accounting": evidence.accounting})
+                           extra_state={"data_accounting": evidence.accounting},
+                           spare=lambda step: evidence.recording(step + 1))  # the start of a recorded step
     return Step3Run(s, args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, tracker, ckpt,
                     evidence)
 
