@@ -80,6 +80,7 @@ def hostfile(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_nodes_follow_the_single_node_run_and_save_the_same_folders(tmp_path, tiny_opt, hostfile):
     cache = tmp_path / "cache"
     one = tmp_path / "one_node"

@@ -48,6 +48,7 @@ def _supervised_flags(module, rows, split, max_steps, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # in CI: the certificate's kill-and-resume test (steps 1, 2, DPO, 3)
 def test_step1_resume_follows_the_uninterrupted_trajectory(tmp_path):
     flags = _supervised_flags("chatrl.step1_sft", 400, "10,0,0", 6, tmp_path)
     straight, resumed, *_ = _straight_stopped_resumed(tmp_path, flags, ["train/loss"], 5, ["step_2", "step_4"],
@@ -61,6 +62,7 @@ def test_step1_resume_follows_the_uninterrupted_trajectory(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # in CI: the certificate's kill-and-resume test (steps 1, 2, DPO, 3)
 def test_step2_resume_follows_the_uninterrupted_trajectory(tmp_path):
     flags = [*_supervised_flags("chatrl.step2_reward", 300, "0,10,0", 5, tmp_path), "--save_total_limit", "1"]
     keys = ["train/loss", "train/accuracy", "train/lr"]

@@ -40,6 +40,7 @@ def test_dpo_reference_is_frozen_precomputable_and_adapter_free_with_lora(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # in CI: the certificate's invariance and kill-and-resume tests cover DPO
 def test_dpo_zero_stages_agree_and_resume_is_exact(tmp_path):
     flags = [*_supervised_flags("chatrl.step2_dpo", 300, "0,10,0", 5, tmp_path), "--save_total_limit", "1",
              "--beta", "0.1"]
