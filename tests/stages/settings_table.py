@@ -119,6 +119,10 @@ TABLE["ppo"] = {
     "grpo_no_std_scaling": (True, ["--rl_algorithm", "grpo", "--num_samples_per_prompt", "2"]),
     "loss_agg_mode": ("seq-mean-token-mean", [FIXED_SAMPLER]),  # answers of unequal length: the modes differ
     "rollout_is_cap": ("1.0", []),  # weights min(exp(old - sampler), 1): below 1 where the sampler was likelier
+    # mask mode with the band [1/C, C] = [1, 1]: a token (or answer) whose ratio is not exactly 1 leaves the loss
+    "rollout_is_mode": ("mask", ["--rollout_is_cap", "1.0"]),
+    "rollout_is_level": ("sequence", ["--rollout_is_cap", "1.0", "--rollout_is_mode", "mask"]),
+    "rollout_is_cap_low": ("0.5", ["--rollout_is_cap", "1.0", "--rollout_is_mode", "mask"]),
     "temperature": ("0.7", []),
     "top_k": ("5", []),
     "top_p": ("0.5", []),
@@ -141,6 +145,9 @@ _COMMON_CANNOT = {
     "zero_stage": "layout (invariance test)", "offload": "placement", "local_rank": "set by the launcher",
     "trust_remote_code": "permission to run a hub model's code",
     "gradient_checkpointing": "recomputes activations: the same numbers",
+    # in fp32, the table's dtype, the LM head computes in fp32 already; in bf16 it changes the logits'
+    # rounding (docs/precision.md's gap table, tests/stages/test_bf16.py)
+    "fp32_lm_head": "a no-op in fp32",
     # padding-free layout: the padded path's loss and gradient (tests/unit/test_packing_parity.py)
     "packing": "layout: packed rows give the padded numbers (packing parity tests)",
     "max_tokens_per_micro_batch": "layout: micro-batches by token budget give the step's loss and gradient "
