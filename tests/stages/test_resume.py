@@ -73,7 +73,9 @@ def test_step2_resume_follows_the_uninterrupted_trajectory(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.extended)])
+# in CI: the certificate's kill-and-resume test (step 3 to the last bit)
+@pytest.mark.extended
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path, dtype):
     """PPO with the hybrid engine, LoRA, the EMA, PTX and the adaptive KL controller, in fp32 and in bf16
     (resumed figures and saved weights equal to the last bit in bf16; the exports in bf16, the EMA's

@@ -66,8 +66,9 @@ BF16_STAGE_GAP = 4e-2
 
 
 @pytest.mark.slow
-# fp32 in CI: the certificate's batch-shape invariance test (ZeRO 0/2/3 through the real loops)
-@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.extended), "bf16"])
+# in CI: the certificate's batch-shape invariance test (ZeRO 0/2/3 through the real loops)
+@pytest.mark.extended
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_zero_stages_follow_the_same_loss_curve(tmp_path, dtype):
     curves = {}
     for stage in ("0", "2", "3"):

@@ -15,7 +15,7 @@ PPO_FP32_GAIN = 0.496
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.extended)])
 def test_ppo_first_epoch_exact_and_reward_rises_with_bounded_kl(tmp_path, dtype):
     result = tmp_path / "ppo.json"
     run_ranks(["tests/stages/ppo_worker.py", str(result), str(tmp_path), "--steps", "30", "--hybrid", "--",
@@ -56,6 +56,7 @@ def test_first_training_pass_as_experience_matches_the_separate_passes(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_release_inference_cache_frees_the_copy_during_training(tmp_path):
     """Actor (and critic) under ZeRO-3 on 2 ranks with the hybrid engine: with
     --release_inference_cache every rollout's copy is freed (time/release > 0 at each step) and each
