@@ -64,6 +64,7 @@ def _train_py(out, cache):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # in CI: the certificate's kill-and-resume test (every step, bit for bit)
 def test_killed_rank_ends_the_job_and_train_py_resumes(tmp_path):
     import psutil
 
