@@ -23,6 +23,7 @@ padded, the memory figures and the share of computed positions that were padding
   micro-batch, 2 micro-batches per optimizer step.
 
     .venv/bin/python bench/packing.py                                   # tiny OPT (h64, 2 layers), GPT-2 BPE
+    .venv/bin/python bench/packing.py --hidden 512 --layers 8 --steps 6 6 2 3   # the larger OPT: body-dominated
     .venv/bin/python bench/packing.py --model ../shared/models/stories260K --out bench/results/packing_stories.json
 """
 
@@ -309,7 +310,9 @@ def measure(a, stage: str, only: str | None = None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="causal-LM folder (default: a tiny random OPT, h64, 2 layers)")
+    p.add_argument("--model", default=None, help="causal-LM folder (default: a random OPT of --hidden, --layers)")
+    p.add_argument("--hidden", type=int, default=64, help="the random OPT's hidden size (max(4, hidden / 64) heads; FFN 4 × hidden)")
+    p.add_argument("--layers", type=int, default=2, help="the random OPT's layers")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     p.add_argument("--batch", type=int, default=8, help="samples (pairs, rollouts) per micro-batch")
     p.add_argument("--seq_len", type=int, default=256, help="steps 1, 2, DPO: max tokens per sequence")
@@ -339,7 +342,8 @@ def main() -> None:
             from chatrl.tiny import TinySpec, make_tiny_model
 
             a.model_dir = str(Path(work) / "opt")
-            make_tiny_model("opt", a.model_dir, TinySpec(hidden=64, layers=2, heads=4, ffn=256))
+            make_tiny_model("opt", a.model_dir, TinySpec(hidden=a.hidden, layers=a.layers, heads=max(4, a.hidden // 64),
+                                                         ffn=4 * a.hidden))
         runs: dict = {s: [] for s in a.stages}
         for r in range(a.repeats):
             for stage in a.stages:
@@ -380,7 +384,7 @@ def main() -> None:
         row["alone_process_peak_ratio"] = (memory[stage]["packed"]["process_peak_mb"]
                                            / memory[stage]["padded"]["process_peak_mb"])
         results[stage] = row
-    doc = {"bench": "packing", "model": a.model or "tiny-opt(h64,l2,gpt2-bpe)", "batch": a.batch, "seq_len": a.seq_len,
+    doc = {"bench": "packing", "model": a.model or f"random-opt(h{a.hidden},l{a.layers},gpt2-bpe)", "batch": a.batch, "seq_len": a.seq_len,
            "prompt_len": a.prompt_len, "answer_len": a.answer_len, "steps": a.stage_steps, "warmup": a.warmup,
            "repeats": a.repeats, "threads": a.threads, "date": time.strftime("%Y-%m-%d"),
            "load_avg_1min_at_end": os.getloadavg()[0], "results": results}

@@ -1,23 +1,30 @@
-"""Peer benchmark: TRL 1.12's SFT, reward and PPO trainers against chatrl's steps 1–3 on one set-up.
+"""Peer benchmark: TRL 1.12's SFT, reward, DPO and PPO trainers against chatrl's steps on one set-up.
 
     .venv/bin/python bench/peers/run.py                              # 3 interleaved repeats, all stages
     .venv/bin/python bench/peers/run.py --stages ppo --repeats 5     # step 3 only (e.g. after a speed-up)
     .venv/bin/python bench/peers/run.py --out bench/results/peers_$(date +%F).json
+    .venv/bin/python bench/peers/run.py --packing                    # chatrl packed, and padded; TRL both ways
 
 The set-up, identical on both sides: a tiny random OPT (hidden 64, 2 layers, 4 heads, FFN 256; GPT-2
 BPE with a separate pad token), hh-rlhf helpful-base pairs 0–999 for training and 1000–1199 for the
-reward model's eval accuracy, sequences of 256 tokens (SFT, reward), prompts of 128 and answers of
+reward model's eval accuracy, sequences of 256 tokens (SFT, reward, DPO with β 0.1 and the policy's
+initial copy as reference; TRL keeps the start of an over-long pair, chatrl cuts its prompt from the
+left), prompts of 128 and answers of
 64 tokens (PPO, temperature 0.7, one PPO epoch, one mini-batch), batch 4 per rank, 2 CPU ranks (gloo,
 one thread each), fp32 (``--dtype bf16``: chatrl at ``--dtype bf16``, TRL's trainers with ``bf16=True``).
 TRL runs under ``torchrun`` in its own venv (``setup_trl_venv.sh``, made or
 reused first); chatrl runs its step programs under the DeepSpeed launcher, ZeRO-0 (like TRL's DDP).
 Runs are interleaved (TRL, chatrl, TRL, chatrl, …) so that load on the machine hits both alike.
+``--packing``: chatrl runs with ``--packing``, and each repeat also runs chatrl padded and, for SFT,
+TRL with ``padding_free=True`` (each batch flattened into one row with restarting position ids; its
+data set given already tokenized and cut, as TRL refuses ``max_length`` in that mode); TRL 1.12's DPO
+switches its ``padding_free`` off ("temporarily unavailable"), so DPO is compared with TRL padded.
 
 Measured per run: ``samples_per_s`` over the training loop from the end of its first step to the
 end of its last (samples = steps × 4 × 2; PPO: rollouts), and ``wall_s`` from launch to exit
 (start-up included). Printed as JSON (and written to ``--out``): per stage both frameworks' figures,
-their medians and the median of the per-repeat ratios chatrl / TRL, and the reward models' eval
-accuracies.
+their medians and the median of the per-repeat ratios chatrl / TRL (and over each other set-up of
+the repeat), and the reward models' eval accuracies.
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
 HH = SHARED / "data" / "hh-rlhf" / "helpful-base" / "test.jsonl.gz"
 ASSISTANT = "\n\nAssistant:"
 BATCH, RANKS = 4, 2
-STAGES = {"sft": "chatrl.step1_sft", "reward": "chatrl.step2_reward", "ppo": "chatrl.step3_ppo"}
+STAGES = {"sft": "chatrl.step1_sft", "reward": "chatrl.step2_reward", "dpo": "chatrl.step2_dpo",
+          "ppo": "chatrl.step3_ppo"}
+#: Other set-ups a repeat may also run (``--also_chatrl_fp32``, ``--packing``), reported as chatrl's ratio over each.
+EXTRA_RUNS = ("chatrl_fp32", "chatrl_padded", "trl_padding_free")
 
 
 def prepare(work: Path) -> dict[str, Path]:
@@ -82,28 +92,31 @@ def _launch(cmd: list[str], log: Path, timeout: float) -> float:
     return time.time() - t0
 
 
-def run_trl(stage: str, a, paths: dict, work: Path, tag: str) -> dict:
+def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool = False) -> dict:
     from chatrl.dist import free_port
 
-    d = work / f"trl_{stage}_{tag}"
+    d = work / f"trl_{stage}_{tag}{'_padding_free' if padding_free else ''}"
     d.mkdir()
-    steps = {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps}[stage]
+    steps = {"sft": a.sft_steps, "reward": a.reward_steps, "dpo": a.dpo_steps, "ppo": a.ppo_steps}[stage]
     cmd = [str(Path(a.trl_venv) / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
            "--master_port", str(free_port()), str(HERE / "trl_stage.py"), stage, "--model", str(paths["model"]),
            "--reward_model", str(paths["rm"]), "--data", str(work), "--out", str(d / "out"),
-           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH), "--dtype", a.dtype]
+           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH), "--dtype", a.dtype,
+           *(["--padding_free"] if padding_free else [])]
     wall = _launch(cmd, d / "log", a.timeout)
     return {**json.loads((d / "result.json").read_text()), "wall_s": wall}
 
 
-def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | None = None) -> dict:
+def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | None = None,
+               packing: bool | None = None) -> dict:
     from chatrl.dist import free_port
 
     dtype = dtype or a.dtype
-    d = work / f"chatrl_{stage}_{tag}_{dtype}"
+    packing = a.packing if packing is None else packing
+    d = work / f"chatrl_{stage}_{tag}_{dtype}{'_packed' if packing else ''}"
     data = [f"{HH}[0:1000]"]
     common = ["--data_output_path", str(work / "chatrl_cache"), "--disable_progress_bar", "--seed", "1",
-              "--output_dir", str(d / "out"), "--dtype", dtype]
+              "--output_dir", str(d / "out"), "--dtype", dtype, *(["--packing"] if packing else [])]
     if stage == "sft":
         flags = ["--model_name_or_path", str(paths["model"]), "--data_path", *data, "--data_split", "10,0,0",
                  "--max_seq_len", "256", "--per_device_train_batch_size", str(BATCH), "--learning_rate", "1e-3",
@@ -113,6 +126,11 @@ def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | No
                  "--eval_data_path", f"{HH}[1000:1200]", "--max_seq_len", "256", "--per_device_train_batch_size",
                  str(BATCH), "--per_device_eval_batch_size", "8", "--learning_rate", "5e-4",
                  "--max_steps", str(a.reward_steps), "--num_warmup_steps", "0"]
+    elif stage == "dpo":
+        flags = ["--model_name_or_path", str(paths["model"]), "--data_path", *data, "--data_split", "0,10,0",
+                 "--eval_data_path", f"{HH}[1000:1200]", "--max_seq_len", "256", "--per_device_train_batch_size",
+                 str(BATCH), "--per_device_eval_batch_size", "8", "--learning_rate", "5e-6", "--beta", "0.1",
+                 "--max_steps", str(a.dpo_steps), "--num_warmup_steps", "0"]
     else:
         flags = ["--actor_model_name_or_path", str(paths["model"]), "--critic_model_name_or_path", str(paths["rm"]),
                  "--data_path", *data, "--data_split", "0,0,10", "--max_prompt_seq_len", "128",
@@ -163,13 +181,18 @@ def summarise(runs: list[dict]) -> dict:
                       "trl_median": statistics.median(trl), "chatrl_median": statistics.median(ours),
                       "median_ratio_chatrl_over_trl": statistics.median(o / t for t, o in zip(trl, ours, strict=True)),
                       "trl_wall_s": [p[0]["wall_s"] for p in pairs], "chatrl_wall_s": [p[1]["wall_s"] for p in pairs]}
-        fp32 = [r["chatrl_fp32"]["samples_per_s"] for r in runs if r["stage"] == stage and "chatrl_fp32" in r]
-        if fp32:
-            out[stage]["chatrl_fp32_samples_per_s"] = fp32
-            out[stage]["chatrl_fp32_wall_s"] = [r["chatrl_fp32"]["wall_s"] for r in runs
-                                                if r["stage"] == stage and "chatrl_fp32" in r]
-            out[stage]["median_ratio_chatrl_over_chatrl_fp32"] = statistics.median(
-                o / f for o, f in zip(ours, fp32, strict=True))
+        for extra in EXTRA_RUNS:  # the same repeats' other set-ups: chatrl's ratio over each
+            got = [(r[extra], r["chatrl"]) for r in runs if r["stage"] == stage and extra in r]
+            if got:
+                out[stage][f"{extra}_samples_per_s"] = [g[0]["samples_per_s"] for g in got]
+                out[stage][f"{extra}_wall_s"] = [g[0]["wall_s"] for g in got]
+                out[stage][f"median_ratio_chatrl_over_{extra}"] = statistics.median(
+                    o["samples_per_s"] / e["samples_per_s"] for e, o in got)
+        if any("trl_padding_free" in r for r in runs if r["stage"] == stage):  # same data order, same seed
+            out[stage]["trl_logged_losses"] = {"padded": pairs[0][0].get("logged_losses"),
+                                               "padding_free": next(r["trl_padding_free"] for r in runs if
+                                                                    r["stage"] == stage and "trl_padding_free" in r)
+                                               .get("logged_losses")}
         if stage == "reward":
             out[stage]["eval_accuracy"] = {"trl": [p[0].get("eval_accuracy") for p in pairs],
                                            "chatrl": [p[1].get("eval_accuracy") for p in pairs],
@@ -184,6 +207,7 @@ def main() -> None:
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     p.add_argument("--sft_steps", type=int, default=40, help="optimizer steps of SFT / step 1")
     p.add_argument("--reward_steps", type=int, default=125, help="optimizer steps of reward training (125: one epoch)")
+    p.add_argument("--dpo_steps", type=int, default=20, help="optimizer steps of DPO / step 2 (DPO)")
     p.add_argument("--ppo_steps", type=int, default=10, help="PPO updates (experience buffers of 4 × 2 rollouts)")
     p.add_argument("--trl_venv", default=os.environ.get("TRL_VENV", "/tmp/trl_cpu/venv"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -192,6 +216,8 @@ def main() -> None:
                    help="bf16: chatrl at --dtype bf16, TRL's trainers with bf16=True (HF mixed precision)")
     p.add_argument("--also_chatrl_fp32", action="store_true",
                    help="with --dtype bf16: also run chatrl in fp32 in each repeat (chatrl's bf16/fp32 ratio)")
+    p.add_argument("--packing", action="store_true",
+                   help="chatrl with --packing; each repeat also runs chatrl padded and (SFT) TRL with padding_free=True")
     p.add_argument("--keep", help="keep the work folder (logs, outputs) here instead of a temporary one")
     a = p.parse_args()
     subprocess.run(["bash", str(HERE / "setup_trl_venv.sh")], check=True, env={**os.environ, "TRL_VENV": a.trl_venv},
@@ -211,6 +237,10 @@ def main() -> None:
                 runs.append({"stage": stage, "repeat": rep, "trl": trl, "chatrl": ours})
                 if a.also_chatrl_fp32 and a.dtype != "fp32":
                     runs[-1]["chatrl_fp32"] = run_chatrl(stage, a, paths, work, tag, "fp32")
+                if a.packing:  # TRL's own padding-free SFT, and chatrl padded, in the same repeat
+                    if stage == "sft":
+                        runs[-1]["trl_padding_free"] = run_trl(stage, a, paths, work, tag, padding_free=True)
+                    runs[-1]["chatrl_padded"] = run_chatrl(stage, a, paths, work, tag, packing=False)
                 print(f"[peers] {stage} repeat {rep}: TRL {trl['samples_per_s']:.2f} samples/s, "
                       f"chatrl {ours['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
                 if a.out:  # what is measured so far survives an interrupted run
@@ -229,8 +259,8 @@ def report(a, started: str, load_before, runs: list[dict], partial: bool = False
             "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
                       "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
                       "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
-                      "answer_len": 64, "dtype": a.dtype, "chatrl_zero_stage": 0, "steps":
-                      {"sft": a.sft_steps, "reward": a.reward_steps, "ppo": a.ppo_steps},
+                      "answer_len": 64, "dtype": a.dtype, "chatrl_packing": a.packing, "chatrl_zero_stage": 0, "steps":
+                      {"sft": a.sft_steps, "reward": a.reward_steps, "dpo": a.dpo_steps, "ppo": a.ppo_steps},
                       "samples_per_s": "training loop, end of step 1 to end of last step"},
             "stages": summarise(runs), "runs": runs}
 

@@ -1,4 +1,4 @@
-"""One TRL 1.12 trainer (SFT, reward or PPO) on the peer benchmark's set-up; runs in the TRL venv only.
+"""One TRL 1.12 trainer (SFT, reward, DPO or PPO) on the peer benchmark's set-up; runs in the TRL venv only.
 
 Started by ``bench/peers/run.py`` as ``torchrun --nproc_per_node 2 trl_stage.py STAGE ...`` with the
 TRL venv's python (TRL is never imported by chatrl or its tests). Writes one JSON file (rank 0):
@@ -57,19 +57,55 @@ def common_args(a) -> dict:
                 dataloader_num_workers=0)
 
 
+def completion_rows(tok, rows, n):
+    """The examples SFTTrainer makes of prompt/completion rows, made here: ``input_ids`` of prompt +
+    completion + EOS and ``labels`` (-100 on the prompt), both cut to their last ``n`` tokens, rows
+    left without a label dropped. TRL 1.12's padding-free mode does not truncate (it refuses a
+    ``max_length``), so its data set is given already tokenized and cut this way."""
+    out = []
+    for r in rows:
+        prompt = tok(r["prompt"])["input_ids"]
+        ids = tok(r["prompt"] + r["chosen"] + tok.eos_token)["input_ids"]
+        labels = [-100] * len(prompt) + ids[len(prompt):]
+        ids, labels = ids[-n:], labels[-n:]
+        if any(x != -100 for x in labels):
+            out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
 def sft(a, tok, world):
     from trl import SFTConfig, SFTTrainer
 
     rows = read(os.path.join(a.data, "pairs_train.jsonl"))
-    ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    cfg = SFTConfig(**common_args(a), learning_rate=1e-3, max_length=a.seq_len, truncation_mode="keep_end",
-                    completion_only_loss=True, packing=False)
+    if a.padding_free:  # one flattened row per batch, position ids restarting at 0, no attention mask
+        ds = Dataset.from_list(completion_rows(tok, rows, a.seq_len))
+        cfg = SFTConfig(**common_args(a), learning_rate=1e-3, max_length=None, padding_free=True, packing=False)
+    else:
+        ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
+        cfg = SFTConfig(**common_args(a), learning_rate=1e-3, max_length=a.seq_len, truncation_mode="keep_end",
+                        completion_only_loss=True, packing=False)
     clock = StepClock()
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[clock])
     trainer.train()
     return {"samples_per_s": loop_rate(clock, a.batch * world), "steps": len(clock.ends),
-            "train_loss": trainer.state.log_history[-1].get("train_loss")}
+            "train_loss": trainer.state.log_history[-1].get("train_loss"),
+            "logged_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+
+
+def dpo(a, tok, world):
+    from trl import DPOConfig, DPOTrainer
+
+    rows = read(os.path.join(a.data, "pairs_train.jsonl"))
+    ds = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    # TRL 1.12 keeps the start of an over-long pair (its only truncation mode); padding_free=True is
+    # accepted but switched off with a warning ("temporarily unavailable"), so it is run padded only
+    cfg = DPOConfig(**common_args(a), learning_rate=5e-6, beta=0.1, max_length=a.seq_len)
+    clock = StepClock()
+    trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[clock])
+    trainer.train()
+    return {"samples_per_s": loop_rate(clock, a.batch * world), "steps": len(clock.ends)}
 
 
 def _left_truncated(tok, text, n):
@@ -135,7 +171,7 @@ def ppo(a, tok, world):
 
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["sft", "reward", "ppo"])
+    p.add_argument("stage", choices=["sft", "reward", "dpo", "ppo"])
     p.add_argument("--model", required=True)
     p.add_argument("--reward_model", help="ppo: reward model and value-model initialisation")
     p.add_argument("--data", required=True)
@@ -148,11 +184,13 @@ def main():
     p.add_argument("--answer_len", type=int, default=64)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: the trainers' bf16=True (HF mixed precision: fp32 weights, bf16 autocast)")
+    p.add_argument("--padding_free", action="store_true",
+                   help="sft: SFTConfig(padding_free=True), each batch flattened into one row")
     a = p.parse_args()
     t0 = time.time()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = AutoTokenizer.from_pretrained(a.model)
-    result = {"sft": sft, "reward": reward, "ppo": ppo}[a.stage](a, tok, world)
+    result = {"sft": sft, "reward": reward, "dpo": dpo, "ppo": ppo}[a.stage](a, tok, world)
     result.update(stage=a.stage, world_size=world, in_process_s=time.time() - t0)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(a.result, "w") as f:
