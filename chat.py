@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from chatrl import config
@@ -94,6 +95,28 @@ def answer_streamer(tokenizer):
     return AnswerStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
+def human_turns(interactive: bool, clear: Callable[[], None]) -> Iterator[str]:
+    """The lines a person types at the terminal chat, blank ones skipped: ``quit``, Ctrl-D or Ctrl-C at the
+    prompt end them (no traceback), ``clear`` calls ``clear()`` and says so. Piped input (not a terminal)
+    is echoed after a ``Human:`` label, so a transcript reads as a conversation."""
+    while True:
+        try:
+            text = input("\nHuman: " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not interactive:
+            print(f"\nHuman: {text}")
+        if text.strip() == "quit":
+            return
+        if text.strip() == "clear":
+            clear()
+            print("(conversation cleared)")
+            continue
+        if text.strip():
+            yield text
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -136,24 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     history: list[dict] = []
     print(f"chatrl chat: {args.path} (context {window} tokens, {dtype}{f' ({why})' if why else ''}). "
           "Type 'clear' to reset, 'quit' to leave.", flush=True)
-    while True:
-        try:
-            text = input("\nHuman: " if interactive else "")
-        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave without a traceback
-            print()
-            break
-        if not interactive:
-            print(f"\nHuman: {text}")
-        if text.strip() == "quit":
-            break
-        if text.strip() == "clear":
-            history = []
-            print("(conversation cleared)")
-            continue
-        if not text.strip():
-            continue
+    for text in human_turns(interactive, history.clear):
         history.append({"role": "user", "content": text})
-        ids, history = prompt_ids_within(tokenizer, history, budget)
+        ids, kept = prompt_ids_within(tokenizer, history, budget)
+        history[:] = kept  # the oldest turns dropped to fit the context window
         input_ids = torch.tensor([ids], device=device)
         print("Assistant: ", end="", flush=True)
         streamer = answer_streamer(tokenizer)
@@ -178,22 +187,7 @@ def tool_chat(session: ToolSession, model, tokenizer, args, sampling: dict, budg
 
     print(f"chatrl chat with --env {args.env}: observations are shown as [role] text. Type 'clear' to reset, "
           "'quit' to leave.", flush=True)
-    while True:
-        try:
-            text = input("\nHuman: " if interactive else "")
-        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave without a traceback
-            print()
-            break
-        if not interactive:
-            print(f"\nHuman: {text}")
-        if text.strip() == "quit":
-            break
-        if text.strip() == "clear":
-            session.clear()
-            print("(conversation cleared)")
-            continue
-        if not text.strip():
-            continue
+    for text in human_turns(interactive, session.clear):
         ids = session.user(text)
         while True:
             if len(ids) > budget:
