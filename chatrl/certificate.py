@@ -423,3 +423,47 @@ def merge_loss_scale(props: list[Property]) -> Property:
     return Property("loss_scale", worst.figure, worst.bound, all(p.passed for p in checked),
                     "; ".join(p.message for p in props), {p.details.get("what", str(i)): p.details
                                                            for i, p in enumerate(props)})
+
+
+# ------------------------------------------------------------------- the supervised steps' certificate
+@dataclass
+class SupervisedEvidence:
+    """The certificate of step 1, step 2 or DPO and the two properties their loops measure.
+
+    ``cert`` (:class:`Certificate`), ``probe`` (:class:`LossScaleProbe`, checked after the first
+    optimizer step) and ``accounting`` (:class:`DataAccounting`, fed every loader batch); made by
+    :meth:`start` before the engine wraps the model, closed by :meth:`finish` after the loop.
+    """
+
+    cert: Certificate
+    probe: LossScaleProbe
+    accounting: DataAccounting
+
+    @classmethod
+    def start(cls, program: str, model: torch.nn.Module, dtype: str, probe_enabled: bool, resuming: bool,
+              output_dir: str | os.PathLike, loader, steps_per_epoch: int, batches_per_step: int,
+              report=None) -> SupervisedEvidence:
+        """Before ``dist.trained_engine(model, ...)`` (the probe copies the initial weights on rank 0).
+
+        Args:
+            program: how the certificate names the step (``"step 1 (SFT)"``).
+            dtype: the run's dtype (the probe's tolerance). probe_enabled: not
+                ``--disable_loss_scale_probe``. resuming: the run resumes from a checkpoint.
+            loader, steps_per_epoch, batches_per_step: as :class:`DataAccounting`'s.
+            report: the data pipeline's :class:`chatrl.data.SkipReport` (None: nothing skipped).
+        """
+        probe = LossScaleProbe.start(model, dtype, probe_enabled, resuming)
+        return cls(Certificate(output_dir, program), probe,
+                   DataAccounting(loader, steps_per_epoch, batches_per_step, pipeline_skips(report)))
+
+    def check_loss_scale(self, engine_norm: float | None, items, reference_loss) -> Property:
+        """After the first optimizer step: :meth:`LossScaleProbe.check` (a collective), added to the certificate."""
+        return self.cert.add(self.probe.check(engine_norm, items, reference_loss))
+
+    def finish(self, steps: int) -> Path:
+        """After ``steps`` optimizer steps (a collective): the data accounting, the loss scale if it was
+        never checked (with its reason), the file written. Returns its path."""
+        self.cert.add(self.accounting.finish(steps))
+        if "loss_scale" not in self.cert.properties:
+            self.cert.add(self.probe.property_unchecked())
+        return self.cert.write()

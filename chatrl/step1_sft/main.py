@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.certificate import SupervisedEvidence
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
@@ -141,12 +141,12 @@ def run(argv: list[str] | None = None) -> dict:
                       s.optim.num_warmup_steps, what="samples")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     model = load_trainable("causal_lm", tokenizer, s.model, s.lora).model
-    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
-                                 resume_path(s.ckpt, s.log.output_dir) is not None)
+    evidence = SupervisedEvidence.start("step 1 (SFT)", model, s.model.dtype,
+                                        not s.certificate.disable_loss_scale_probe,
+                                        resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
+                                        loader, steps_per_epoch, batch.gradient_accumulation_steps, data.report)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
-    cert = Certificate(s.log.output_dir, "step 1 (SFT)")
-    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
 
     tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
@@ -155,11 +155,11 @@ def run(argv: list[str] | None = None) -> dict:
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
-                           extra_state={"data_accounting": accounting})
+                           extra_state={"data_accounting": evidence.accounting})
     step, resumed, metrics = 0, ckpt.resume(), {}
     if resumed:
         step = resumed["step"]
-        cert.restore(resumed.get("certificate"))
+        evidence.cert.restore(resumed.get("certificate"))
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
     else:
@@ -176,7 +176,7 @@ def run(argv: list[str] | None = None) -> dict:
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
             for m in micro:
-                accounting.record(step // steps_per_epoch, m)
+                evidence.accounting.record(step // steps_per_epoch, m)
             n_local = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
             n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
             step_nll = 0.0
@@ -192,10 +192,10 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
-                cert.add(probe.check(engine.get_global_grad_norm(), [m["sample_index"].cpu() for m in micro],
-                                     one_batch_loss(data.train, collate)))
-            state = {"epoch": step // steps_per_epoch, "certificate": cert.state()}
+            if evidence.probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                evidence.check_loss_scale(engine.get_global_grad_norm(), [m["sample_index"].cpu() for m in micro],
+                                          one_batch_loss(data.train, collate))
+            state = {"epoch": step // steps_per_epoch, "certificate": evidence.cert.state()}
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
@@ -214,10 +214,7 @@ def run(argv: list[str] | None = None) -> dict:
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
-    cert.add(accounting.finish(step))
-    if "loss_scale" not in cert.properties:
-        cert.add(probe.property_unchecked())
-    cert.write()
+    evidence.finish(step)
 
     if s.eos_check.eval_eos_samples:
         rate = eos_rate(engine, eval_prompts(data.eval, s.eos_check.eval_eos_samples), tokenizer,
@@ -229,7 +226,7 @@ def run(argv: list[str] | None = None) -> dict:
     save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:
         write_run_marker(s.log.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
-    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s, "certificate": cert}
+    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s, "certificate": evidence.cert}
 
 
 if __name__ == "__main__":

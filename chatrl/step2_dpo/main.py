@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.certificate import SupervisedEvidence
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
@@ -212,12 +212,12 @@ def run(argv: list[str] | None = None) -> dict:
     # the frozen reference, when it is a copy: the policy's weights as loaded, before LoRA
     model, ref_model = load_trainable("causal_lm", tokenizer, s.model, s.lora,
                                       keep_copy="base" if ref_kind == "copy" else None)
-    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
-                                 resume_path(s.ckpt, s.log.output_dir) is not None)
+    evidence = SupervisedEvidence.start("step 2 (DPO)", model, s.model.dtype,
+                                        not s.certificate.disable_loss_scale_probe,
+                                        resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
+                                        loader, steps_per_epoch, batch.gradient_accumulation_steps, data.report)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
-    cert = Certificate(s.log.output_dir, "step 2 (DPO)")
-    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
     reference = build_reference(ref_kind, s.zero, s.model.dtype, ref_model, engine, batch, info)
     del ref_model
 
@@ -237,12 +237,12 @@ def run(argv: list[str] | None = None) -> dict:
         tracker.write(f"reference log-probs of {len(train_pairs)} + {len(eval_pairs)} pairs precomputed in "
                       f"{time.time() - t_ref:.1f} s; the reference model is released")
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
-                           extra_state={"data_accounting": accounting})
+                           extra_state={"data_accounting": evidence.accounting})
     eos = s.eos_check
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
-        cert.restore(resumed.get("certificate"))
+        evidence.cert.restore(resumed.get("certificate"))
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
@@ -269,10 +269,10 @@ def run(argv: list[str] | None = None) -> dict:
             n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
             probe_items = []
             for i, m in enumerate(micro):
-                accounting.record(step // steps_per_epoch, m)
+                evidence.accounting.record(step // steps_per_epoch, m)
                 if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
                     engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-                if probe.active:  # the reference log-probs of the probe's one micro-batch (constants)
+                if evidence.probe.active:  # the reference log-probs of the probe's one micro-batch (constants)
                     ref = reference.logps(m, "train")
                     probe_items.append((m["sample_index"], None if ref is None else tuple(r.cpu() for r in ref)))
                 losses, chosen_r, rejected_r, lc, lr = pair_forward(engine, m, reference, s.dpo, info.device)
@@ -285,10 +285,10 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
-                cert.add(probe.check(engine.get_global_grad_norm(), probe_items,
-                                     one_batch_loss(train_pairs, collate, s.dpo)))
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": cert.state()}
+            if evidence.probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                evidence.check_loss_scale(engine.get_global_grad_norm(), probe_items,
+                                          one_batch_loss(train_pairs, collate, s.dpo))
+            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": evidence.cert.state()}
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 tracker.log({**metrics_from(dist.all_reduce_sum(stats), "train"),
@@ -309,10 +309,7 @@ def run(argv: list[str] | None = None) -> dict:
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer,
                     "settings": s}
-    cert.add(accounting.finish(step))
-    if "loss_scale" not in cert.properties:
-        cert.add(probe.property_unchecked())
-    cert.write()
+    evidence.finish(step)
 
     if eos.eval_eos_samples:
         rate = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer, eos.eval_max_new_tokens,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import Certificate, DataAccounting, LossScaleProbe, pipeline_skips
+from chatrl.certificate import SupervisedEvidence
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
@@ -162,12 +162,12 @@ def run(argv: list[str] | None = None) -> dict:
                       s.optim.num_warmup_steps, what="pairs")
     steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
     model = load_trainable("reward", tokenizer, s.model, s.lora, require_head=False).model
-    probe = LossScaleProbe.start(model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
-                                 resume_path(s.ckpt, s.log.output_dir) is not None)
+    evidence = SupervisedEvidence.start("step 2 (reward model)", model, s.model.dtype,
+                                        not s.certificate.disable_loss_scale_probe,
+                                        resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
+                                        loader, steps_per_epoch, batch.gradient_accumulation_steps, data.report)
     engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
                                  plan.num_warmup_steps)
-    cert = Certificate(s.log.output_dir, "step 2 (reward model)")
-    accounting = DataAccounting(loader, steps_per_epoch, batch.gradient_accumulation_steps, pipeline_skips(data.report))
 
     tracker = Tracker.for_run(s.log, info.is_main)
     tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
@@ -176,11 +176,11 @@ def run(argv: list[str] | None = None) -> dict:
     for note in plan.notes:  # defaults that adapted to a short run, said once
         tracker.write(note)
     ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
-                           extra_state={"data_accounting": accounting})
+                           extra_state={"data_accounting": evidence.accounting})
     step, resumed = 0, ckpt.resume()
     if resumed:
         step, initial = resumed["step"], resumed["initial_metrics"]
-        cert.restore(resumed.get("certificate"))
+        evidence.cert.restore(resumed.get("certificate"))
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
@@ -201,7 +201,7 @@ def run(argv: list[str] | None = None) -> dict:
             micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
             n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
             for i, m in enumerate(micro):
-                accounting.record(step // steps_per_epoch, m)
+                evidence.accounting.record(step // steps_per_epoch, m)
                 if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
                     engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
                 _, scores = engine(m["input_ids"], m["attention_mask"], packed=m.get("packed"))
@@ -217,10 +217,10 @@ def run(argv: list[str] | None = None) -> dict:
             step += 1
             set_progress(optimizer_step=step)
             tracker.advance()
-            if probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
-                cert.add(probe.check(engine.get_global_grad_norm(), [m["sample_index"] for m in micro],
-                                     one_batch_loss(data.train, collate)))
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": cert.state()}
+            if evidence.probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
+                evidence.check_loss_scale(engine.get_global_grad_norm(), [m["sample_index"] for m in micro],
+                                          one_batch_loss(data.train, collate))
+            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": evidence.cert.state()}
             ckpt.after_step(step, state)
             if step % s.log.log_interval == 0 or step == total_steps:
                 loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
@@ -239,10 +239,7 @@ def run(argv: list[str] | None = None) -> dict:
         if ckpt.stop_here(step):
             ckpt.note_stop(step, tracker)
             return {"metrics": metrics, "engine": engine}
-    cert.add(accounting.finish(step))
-    if "loss_scale" not in cert.properties:
-        cert.add(probe.property_unchecked())
-    cert.write()
+    evidence.finish(step)
 
     tracker.close()
     save_reward_model(engine.module, tokenizer, s.log.output_dir)
