@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from chatrl.data.collate import PackedPairCollator, PairCollator, pad_sequences, to_device
-from chatrl.models import causal_lm_logits
-from chatrl.step2_dpo.loss import answer_logps, packed_answer_logps
+from chatrl.models import token_logits_at
 
 
 class IndexedPairs(torch.utils.data.Dataset):
@@ -77,12 +77,27 @@ class PackedDPOCollator(PackedPairCollator):
 
 def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logps (2B,), n_tokens (2B,))``: the summed log-probability of each answer of a DPO batch
-    under ``model`` (padded or packed: the same numbers) and its token count; differentiable."""
+    under ``model`` (padded or packed: the same numbers) and its token count; differentiable.
+
+    The LM head runs on the ``M`` positions that predict an answer token only
+    (:func:`chatrl.models.token_logits_at`): a pair's prompt, most of its tokens on chat data, needs
+    no vocabulary projection, so the step's largest matmul and its ``(M, V)`` float32 log-softmax
+    shrink with it. The numbers are :func:`chatrl.step2_dpo.loss.answer_logps` over full logits,
+    padded or packed (``tests/unit/test_dpo_loss.py``); a sequence's first token is never scored
+    (nothing predicts it).
+    """
     b = to_device(batch, device)
-    logits = causal_lm_logits(model, b["input_ids"], b["attention_mask"], packed=b.get("packed"))
-    if b.get("packed") is not None:
-        return packed_answer_logps(logits, b["packed"], b["prompt_len"])
-    return answer_logps(logits, b["input_ids"], b["answer_mask"])
+    packed = b.get("packed")
+    if packed is not None:
+        first = torch.minimum(b["prompt_len"].to(packed.length).clamp(min=1), packed.length)  # first answer token
+        slots = packed.slots(first - 1, packed.length - first)  # the positions that predict the answer tokens
+        rows, cols, seq, n, ids = slots.rows, slots.cols, slots.seq, packed.n_seqs, packed.input_ids
+    else:
+        rows, cols = b["answer_mask"][:, 1:].nonzero(as_tuple=True)
+        seq, n, ids = rows, b["input_ids"].shape[0], b["input_ids"]
+    logits = token_logits_at(model, rows, cols, b["input_ids"], b["attention_mask"], packed)
+    token_logp = -F.cross_entropy(logits.float(), ids[rows, cols + 1], reduction="none")
+    return token_logp.new_zeros(n).index_add(0, seq, token_logp), torch.bincount(seq, minlength=n)
 
 
 def split_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from chatrl.config import setting
-from chatrl.packing import PackedRows
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCE_FREE = ("simpo",)
@@ -76,35 +75,6 @@ def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: tor
         for i in range(logits.shape[0])])
     mask = answer_mask[:, 1:].to(token_logp.dtype)
     return (token_logp * mask).sum(-1), answer_mask[:, 1:].long().sum(-1)
-
-
-def packed_answer_logps(logits: torch.Tensor, packed: PackedRows, prompt_len: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`answer_logps` of packed rows: each sequence's summed answer log-probability and count.
-
-    Args:
-        logits: ``(R, W, V)`` of the rows (:func:`chatrl.models.causal_lm_logits` with ``packed``).
-        packed: the rows (:class:`chatrl.packing.PackedRows`) of ``N`` sequences.
-        prompt_len: ``(N,)`` long, each sequence's prompt tokens; the rest of it is its answer.
-            A sequence's first token is never scored (nothing of its own predicts it).
-
-    Returns:
-        ``(logps (N,), n_tokens (N,))`` in the sequences' order, equal to :func:`answer_logps` of the
-        same sequences padded.
-
-    Raises:
-        ValueError: ``logits`` do not match the rows.
-    """
-    if logits.shape[:2] != packed.input_ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and packed rows {tuple(packed.input_ids.shape)} disagree")
-    first = torch.minimum(prompt_len.to(packed.length).clamp(min=1), packed.length)  # the first answer token
-    slots = packed.slots(first - 1, packed.length - first)  # the positions that predict the answer tokens
-    targets = packed.input_ids[:, 1:]
-    token_logp = torch.stack([  # one row at a time, as answer_logps
-        torch.log_softmax(logits[r, :-1].float(), dim=-1).gather(-1, targets[r].unsqueeze(-1)).squeeze(-1)
-        for r in range(logits.shape[0])])
-    logps = token_logp.new_zeros(packed.n_seqs).index_add(0, slots.seq, token_logp[slots.rows, slots.cols])
-    return logps, packed.length - first
 
 
 @dataclass

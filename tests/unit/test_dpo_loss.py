@@ -222,3 +222,36 @@ def test_answer_logps_are_padding_invariant(family, tiny_models):
         assert nc.tolist() == [4, 1, 6, 3] and nr.tolist() == [2, 5, 6, 9]
         assert (c - alone_c).abs().max().item() < 1e-5, side
         assert (r - alone_r).abs().max().item() < 1e-5, side
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_answer_logps_with_the_head_on_answer_positions_equal_full_logits(family, tiny_models):
+    """batch_answer_logps (the LM head on the positions that predict answer tokens, padded at either
+    side or packed) gives the log-probs, counts and gradients of answer_logps over full logits."""
+    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.step2_dpo.batch import PackedDPOCollator, batch_answer_logps
+
+    tok = load_tokenizer(str(tiny_models[family]))
+    model = load_causal_lm(str(tiny_models[family]), tok, dtype="fp32").eval()
+    pairs = _pairs()
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    plain = DPOCollator(tok.pad_token_id)(pairs)
+    logits = causal_lm_logits(model, plain["input_ids"], plain["attention_mask"])
+    want, want_n = answer_logps(logits, plain["input_ids"], plain["answer_mask"])
+    want.sum().backward()
+    want_grads = grads()
+    assert want_n.tolist() == [4, 1, 6, 3, 2, 5, 6, 9]
+    for collate in (DPOCollator(tok.pad_token_id, "left"), DPOCollator(tok.pad_token_id, "right"),
+                    PackedDPOCollator(tok.pad_token_id)):
+        got, n = batch_answer_logps(model, collate(pairs), "cpu")
+        assert n.tolist() == want_n.tolist()
+        # sums of up to 9 tokens' log-probs near -100: float32 rounding of another summation order
+        assert ((got - want).abs() <= 1e-5 + 1e-6 * want.abs()).all(), (type(collate).__name__, got - want)
+        got.sum().backward()
+        for name, g in grads().items():
+            assert (g - want_grads[name]).abs().max().item() < 1e-5 * max(1.0, want_grads[name].abs().max().item()), name
