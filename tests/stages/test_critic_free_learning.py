@@ -62,8 +62,10 @@ def arith_sft(tmp_path_factory):
 
 
 # GRPO's held-out gain in fp32 (2026-12-01): 30% -> 43%, +13 points; step 3 in bf16 (the same fp32
-# step-1 model) must reach 90% of it.
+# step-1 model) must reach 90% of it: of the fp32 gain measured in the same session when the fp32
+# case ran first (the parametrisation's order), else of this figure.
 GRPO_FP32_GAIN = 0.13
+_GAINS: dict[tuple[str, str], float] = {}
 
 
 @pytest.mark.slow
@@ -85,6 +87,7 @@ def test_critic_free_raises_held_out_accuracy(arith_sft, tmp_path, algorithm, dt
     print(f"LEARNING {algorithm} {dtype} held-out {arith_sft['before']:.2f} -> {after:.2f}, "
           f"kl max {max(r['kl'] for r in rows):.2f}")
     # measured on 100 held-out problems: 30% -> 43% (GRPO), 44% (RLOO); KL at most 2.76 / 2.53 nats
-    gain = 0.1 if dtype == "fp32" else 0.9 * GRPO_FP32_GAIN
+    _GAINS[algorithm, dtype] = after - arith_sft["before"]
+    gain = 0.1 if dtype == "fp32" else 0.9 * _GAINS.get(("grpo", "fp32"), GRPO_FP32_GAIN)
     assert after >= arith_sft["before"] + gain - 1e-9, (algorithm, dtype, arith_sft["before"], after)
     assert max(r["kl"] for r in rows) <= 4.0, [r["kl"] for r in rows]
