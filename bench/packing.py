@@ -23,7 +23,7 @@ padded, the memory figures and the share of computed positions that were padding
   micro-batch, 2 micro-batches per optimizer step.
 
     .venv/bin/python bench/packing.py                                   # tiny OPT (h64, 2 layers), GPT-2 BPE
-    .venv/bin/python bench/packing.py --hidden 512 --layers 8 --steps 6 6 2 3   # the larger OPT: body-dominated
+    .venv/bin/python bench/packing.py --hidden 512 --layers 8 --steps 6 6 3 3   # the larger OPT: body-dominated
     .venv/bin/python bench/packing.py --model ../shared/models/stories260K --out bench/results/packing_stories.json
 """
 
@@ -309,7 +309,7 @@ def measure(a, stage: str, only: str | None = None) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default=None, help="causal-LM folder (default: a random OPT of --hidden, --layers)")
     p.add_argument("--hidden", type=int, default=64, help="the random OPT's hidden size (max(4, hidden / 64) heads; FFN 4 × hidden)")
     p.add_argument("--layers", type=int, default=2, help="the random OPT's layers")
