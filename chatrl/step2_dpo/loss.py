@@ -3,7 +3,9 @@
 Notation (per preference pair ``(x, y_w, y_l)``, ``y_w`` chosen, ``y_l`` rejected):
 
 * ``log π(y|x)`` is the summed log-probability of the answer tokens under the policy, ``log π_ref``
-  the same under the frozen reference (:func:`answer_logps` computes both from logits);
+  the same under the frozen reference (:func:`answer_logps` defines both over full logits; training
+  computes the same sums with the LM head on the answer positions only,
+  :func:`chatrl.step2_dpo.batch.batch_answer_logps`);
 * ``h = [log π(y_w|x) − log π_ref(y_w|x)] − [log π(y_l|x) − log π_ref(y_l|x)]``, the difference of
   the implicit rewards divided by ``β``.
 

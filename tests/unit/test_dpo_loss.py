@@ -255,3 +255,21 @@ def test_answer_logps_with_the_head_on_answer_positions_equal_full_logits(family
         got.sum().backward()
         for name, g in grads().items():
             assert (g - want_grads[name]).abs().max().item() < 1e-5 * max(1.0, want_grads[name].abs().max().item()), name
+
+
+def test_answer_logps_of_a_bf16_model_are_float32_sums_of_its_logits(tiny_models):
+    """The fp32 island of DPO's training path (docs/precision.md): a bf16 model's answer log-probs come
+    out float32, equal to answer_logps over the model's own bf16 logits (log-softmax in float32)."""
+    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.step2_dpo.batch import batch_answer_logps
+
+    tok = load_tokenizer(str(tiny_models["llama"]))
+    model = load_causal_lm(str(tiny_models["llama"]), tok, dtype="bf16").eval()
+    b = DPOCollator(tok.pad_token_id)(_pairs())
+    with torch.no_grad():
+        logits = causal_lm_logits(model, b["input_ids"], b["attention_mask"])
+        got, n = batch_answer_logps(model, b, "cpu")
+    want, want_n = answer_logps(logits, b["input_ids"], b["answer_mask"])
+    assert logits.dtype == torch.bfloat16 and got.dtype == torch.float32
+    assert n.tolist() == want_n.tolist()
+    assert ((got - want).abs() <= 1e-4 * want.abs()).all(), got - want
