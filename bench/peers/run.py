@@ -188,11 +188,10 @@ def summarise(runs: list[dict]) -> dict:
                 out[stage][f"{extra}_wall_s"] = [g[0]["wall_s"] for g in got]
                 out[stage][f"median_ratio_chatrl_over_{extra}"] = statistics.median(
                     o["samples_per_s"] / e["samples_per_s"] for e, o in got)
-        if any("trl_padding_free" in r for r in runs if r["stage"] == stage):  # same data order, same seed
-            out[stage]["trl_logged_losses"] = {"padded": pairs[0][0].get("logged_losses"),
-                                               "padding_free": next(r["trl_padding_free"] for r in runs if
-                                                                    r["stage"] == stage and "trl_padding_free" in r)
-                                               .get("logged_losses")}
+        both = [r for r in runs if r["stage"] == stage and "trl_padding_free" in r]
+        if both:  # TRL padded and padding-free in the same repeat: same data order, same seed
+            out[stage]["trl_logged_losses"] = {"padded": both[0]["trl"].get("logged_losses"),
+                                               "padding_free": both[0]["trl_padding_free"].get("logged_losses")}
         if stage == "reward":
             out[stage]["eval_accuracy"] = {"trl": [p[0].get("eval_accuracy") for p in pairs],
                                            "chatrl": [p[1].get("eval_accuracy") for p in pairs],
