@@ -17,7 +17,7 @@ from chatrl.config import LoraConfig, PackingConfig
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.packing import BLOCK_MASK, PackedRows, attention_style, block_diagonal_mask
-from chatrl.precision import compute_in_fp32
+from chatrl.precision import attention_kwargs, compute_in_fp32
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,8 @@ def load_causal_lm(
             if hasattr(config, key):
                 setattr(config, key, dropout)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-    )
+        path, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+        **attention_kwargs(dtype))
     fit_embeddings(model, tokenizer)
     if fp32_lm_head:
         head = model.get_output_embeddings()

@@ -38,13 +38,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from chatrl.errors import UsageError
+from chatrl.precision import FP32_SDPA
 
 #: HF ``model_type`` s whose attention reads packed rows from restarting position ids (tested for parity).
 POSITION_ID_FAMILIES = ("llama", "qwen2")
 #: HF ``model_type`` s that need an explicit block-diagonal mask (tested for parity).
 BLOCK_MASK_FAMILIES = ("opt",)
 #: Attention implementations that take an explicit 4-D additive mask.
-BLOCK_MASK_ATTENTION = ("sdpa", "eager")
+BLOCK_MASK_ATTENTION = ("sdpa", "eager", FP32_SDPA)
 
 POSITION_IDS, BLOCK_MASK = "position_ids", "block_mask"
 

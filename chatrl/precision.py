@@ -12,6 +12,12 @@ layers are computed in float32 inside the model's forward, whatever its weights'
 and a bf16 score would keep 3 significant digits) and, with ``--fp32_lm_head``, the LM head of
 the causal LMs (the sampler's and the trainer's logits then carry no bf16 rounding; the
 vocabulary matrix is cast once per forward).
+
+On CPU, attention is a third island (:func:`attention_implementation`): bf16 and fp16 models load
+with :data:`FP32_SDPA`, torch's scaled-dot-product attention on float32 copies of the queries, keys
+and values. torch's CPU flash-attention kernel runs bf16 no faster than float32 and, at small head
+widths, 2-3x slower in its backward (``bench/attention_cpu.py``), so the float32 island costs nothing and
+is the more precise of the two. CUDA devices keep the model's own attention in its dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ log = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 """Values of ``--dtype``: ``auto`` resolves to ``bf16`` or ``fp32`` (:func:`resolve_dtype`)."""
+
+FP32_SDPA = "chatrl_sdpa_fp32"
+"""The attention implementation :func:`attention_implementation` gives low-precision models on CPU: transformers'
+``sdpa`` computed on float32 copies of its inputs (registered with transformers by :func:`register_fp32_sdpa`)."""
 
 FP32_ATTR = "_chatrl_fp32_forward"
 """Attribute set on a module whose forward :func:`compute_in_fp32` made float32."""
@@ -78,6 +88,57 @@ def resolve_dtype(name: str, device_type: str | None = None) -> tuple[str, str]:
     where = "this CUDA device" if (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" \
         else "this CPU"
     return "fp32", f"--dtype auto: {where} has no native bf16"
+
+
+def _sdpa_in_fp32(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention on float32 copies of ``query``, ``key``, ``value`` ``(B, H, L, D)``
+    (and of a floating ``attention_mask``; a boolean one is used as it is); the output
+    ``(B, L, H, D)`` is cast back to ``query``'s dtype. Softmax, scores and the weighted sum are all
+    float32, in the forward and the backward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = query.dtype
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(dtype), weights
+
+
+@functools.cache
+def register_fp32_sdpa() -> str:
+    """Register :data:`FP32_SDPA` with transformers' attention and mask interfaces (once per process;
+    its masks are SDPA's); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FP32_SDPA, _sdpa_in_fp32)
+    AttentionMaskInterface.register(FP32_SDPA, sdpa_mask)
+    return FP32_SDPA
+
+
+def attention_implementation(dtype: str, device_type: str | None = None) -> str | None:
+    """The attention a model of weights ``dtype`` loads with on ``device_type``; None: transformers' default.
+
+    :data:`FP32_SDPA` for ``bf16`` and ``fp16`` weights on CPU (registered here; the module
+    docstring says why), None elsewhere (CUDA, or float32 weights).
+
+    Args:
+        dtype: ``fp32`` | ``bf16`` | ``fp16`` (resolved: not ``auto``).
+        device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when a CUDA device is visible, else CPU.
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype in ("bf16", "fp16") and device_type == "cpu":
+        return register_fp32_sdpa()
+    return None
+
+
+def attention_kwargs(dtype: str, device_type: str | None = None) -> dict:
+    """``from_pretrained`` keyword arguments for :func:`attention_implementation`: ``{}`` or
+    ``{"attn_implementation": name}``."""
+    name = attention_implementation(dtype, device_type)
+    return {} if name is None else {"attn_implementation": name}
 
 
 def _fp32_linear_forward(self, x: torch.Tensor) -> torch.Tensor:

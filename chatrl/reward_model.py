@@ -45,7 +45,7 @@ from chatrl.models import (
     torch_dtype,
 )
 from chatrl.packing import PackedRows
-from chatrl.precision import compute_in_fp32
+from chatrl.precision import attention_kwargs, compute_in_fp32
 from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,8 @@ def load_reward_model(
     elif os.path.isdir(path) and not has_reward_head(path, hidden):
         log.info("%s has no reward head: initialising a fresh '%s' head", path, HEAD)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
+        path, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+        **attention_kwargs(dtype))
     fit_embeddings(model, tokenizer)
     return RewardModel(model)
 

@@ -95,10 +95,17 @@ def test_step2_bf16_learns_and_its_export_scores_the_same_everywhere(tmp_path, t
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    from chatrl.precision import FP32_SDPA
+
+    same_body = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1,
+                                                                   attn_implementation=FP32_SDPA).eval()
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
-    # the same bf16 body; HF rounds the head's output to bf16, chatrl's head is fp32: within one bf16 step
-    assert mine.std() > 1e-3 and (theirs - mine).abs().max() <= mine.abs().max() * 2 ** -8, (mine, theirs)
+        body = same_body(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+    # HF's attention runs in bf16, chatrl's in float32 on CPU (docs/precision.md), and HF rounds the
+    # head's output to bf16: within 4 bf16 steps; with chatrl's attention, within one
+    assert mine.std() > 1e-3 and (theirs - mine).abs().max() <= mine.abs().max() * 2 ** -6, (mine, theirs)
+    assert (body - mine).abs().max() <= mine.abs().max() * 2 ** -8, (mine, body)
     # the scoring tool and the reward server's text source: the same scores for the same texts
     prompt, good, bad = "How do I boil an egg?", "Put it in boiling water for 8 minutes.", "No."
     buf = io.StringIO()
@@ -150,7 +157,9 @@ def test_critic_free_bf16_first_step_exact_with_fp32_head_and_sequence_masking(t
     rows = [r for r in _rows(out) if "kl" in r]
     first = rows[0]
     assert first["ratio_mean"] == 1.0 and first["approx_kl"] == 0.0 and first["kl"] == 0.0, first
-    assert 0 < first["rollout/logp_diff_mean"] <= first["rollout/logp_diff_max"] < 1.0  # bf16: not 0
+    # the sampler's log-probs are logged against the trainer's (plain generate's KV-cache decoding against one
+    # full forward; with attention and the LM head in fp32 on this CPU, they can agree to the bit)
+    assert 0 <= first["rollout/logp_diff_mean"] <= first["rollout/logp_diff_max"] < 1.0
     assert 0 <= first["rollout/is_outside_frac"] <= 1 and first["is_weight_mean"] > 0
     assert rows[1]["kl"] != 0.0  # the first step moved the actor
     assert _bf16_export(out / "actor") == ({"BF16"}, "bfloat16")

@@ -325,3 +325,24 @@ def test_reward_model_class_is_packed_by_its_backbone_family(tiny_opt):
     assert isinstance(rm, RewardModel)
     inputs = packed_inputs(rm, pack([[5, 6], [7]], tok.pad_token_id))
     assert inputs["attention_mask"].shape == (2, 1, 2, 2)  # rows as wide as the longest sequence
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_reward_scores_packed_equal_padded_with_the_fp32_attention(family_models, family):
+    """In bf16 on CPU the reward model attends in float32 (chatrl.precision.FP32_SDPA), which takes
+    OPT's block-diagonal mask and Llama's and Qwen2's restarting positions: packed end scores equal the
+    padded ones to bf16 rounding (on this CPU: exactly)."""
+    from chatrl.precision import FP32_SDPA
+
+    tok = load_tokenizer(str(family_models[family]))
+    torch.manual_seed(0)
+    rm = load_reward_model(str(family_models[family]), tok, dtype="bf16", require_head=False).eval()
+    assert rm.hf.config._attn_implementation == FP32_SDPA
+    batch = pairs()
+    with torch.no_grad():
+        b = PairCollator(tok.pad_token_id)(batch)
+        padded = rm(b["input_ids"], b["attention_mask"]).end_scores
+        b = PackedPairCollator(tok.pad_token_id)(batch)
+        packed = rm(b["input_ids"], b["attention_mask"], packed=b.get("packed")).end_scores
+    scale = padded.abs().max()
+    close(packed, padded, tol=float(scale) * 2 ** -6)

@@ -298,3 +298,70 @@ def test_masked_answer_leaves_the_loss_and_only_it():
     loss.backward()
     assert torch.equal(logp.grad[0], torch.zeros(2))
     torch.testing.assert_close(logp.grad[1], -adv[1] / 4.0)
+
+
+# ------------------------------------------------------------------------------ attention on CPU
+def test_low_precision_models_attend_in_float32_on_cpu_only():
+    assert precision.attention_implementation("bf16", "cpu") == precision.FP32_SDPA
+    assert precision.attention_implementation("fp16", "cpu") == precision.FP32_SDPA
+    assert precision.attention_implementation("fp32", "cpu") is None
+    assert precision.attention_implementation("bf16", "cuda") is None
+    assert precision.attention_kwargs("fp32", "cpu") == {}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp32_attention_island_is_float32_rounded_once(masked):
+    """Against float64 attention over the same bf16 queries, keys and values (causal, and a left-padded
+    boolean mask as transformers' SDPA masks give it): the island's output is within one bf16 rounding
+    of the truth, torch's bf16 SDPA is further off on average; the island's gradients reach q, k, v in bf16."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    precision.register_fp32_sdpa()
+    module = torch.nn.Module()
+    module.is_causal = True
+    b, h, n, d = 2, 4, 64, 16
+    q, k, v = (bf16(b, h, n, d, seed=s).requires_grad_() for s in (1, 2, 3))
+    mask = None
+    if masked:  # row 1 left-padded by 10 positions
+        keep = torch.ones(b, n, dtype=torch.bool)
+        keep[1, :10] = False
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+        mask = mask | torch.eye(n, dtype=torch.bool)  # every query sees something (the pads see themselves)
+    out, _ = precision._sdpa_in_fp32(module, q, k, v, mask)
+    assert out.dtype == BF16 and out.shape == (b, n, h, d)
+    truth, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), mask)
+    native, _ = sdpa_attention_forward(module, q, k, v, mask)
+    err = (out.double() - truth).abs()
+    assert err.max() <= truth.abs().max() * 2 ** -8, err.max()
+    native_err = (native.double() - truth).abs().mean()
+    assert native_err > 1.2 * err.mean(), (native_err, err.mean())
+    out.double().mul(truth.detach()).sum().backward()
+    assert all(t.grad.dtype == BF16 and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("family", ["opt", "llama", "qwen2"])
+def test_bf16_models_load_with_the_fp32_attention_on_cpu(family, tiny_models, tiny_qwen2):
+    """A bf16 causal LM and reward model load with the island, an fp32 one with transformers' own; the
+    island sees the padding: a left-padded row's logits equal the row alone to bf16 rounding, and
+    ignoring the mask moves them far more."""
+    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.reward_model import load_reward_model
+
+    path = str({**tiny_models, "qwen2": tiny_qwen2}[family])
+    tok = load_tokenizer(path)
+    lm = load_causal_lm(path, tok, "bf16").eval()
+    assert lm.config._attn_implementation == precision.FP32_SDPA
+    assert load_reward_model(path, tok, dtype="bf16", require_head=False).hf.config._attn_implementation == \
+        precision.FP32_SDPA
+    assert load_causal_lm(path, tok, "fp32").config._attn_implementation != precision.FP32_SDPA
+    g = torch.Generator().manual_seed(0)
+    row = torch.randint(3, 1000, (1, 12), generator=g)
+    ids = torch.cat([torch.full((1, 6), tok.pad_token_id), row], 1)
+    mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
+    with torch.no_grad():
+        alone = lm(input_ids=row, attention_mask=torch.ones_like(row)).logits[0].float()
+        padded = lm(input_ids=ids, attention_mask=mask).logits[0, 6:].float()
+        unmasked = lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, 6:].float()
+    scale = alone.abs().max()
+    assert (padded - alone).abs().max() <= scale * 2 ** -6
+    assert (unmasked - alone).abs().max() > 4 * (padded - alone).abs().max()
