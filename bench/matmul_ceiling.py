@@ -14,8 +14,18 @@ divided by the phase's measured seconds, ``time/train`` of a step-3 metrics log 
 (``--metrics``, e.g. a run of ``bench/step3.py --side_by_side --hidden 512 --layers 8 --dtype bf16``),
 or of a short run made here (``--run``: ZeRO-0, hybrid engine, ``--steps`` steps, the first dropped).
 
+Where the rest goes (``--model_only``): the same micro-step's model computation alone, in this process
+on one thread, no DeepSpeed, no second rank: random OPT actor and critic of the set-up in the run's
+dtype (chatrl's loaders' attention: float32 on CPU for bf16), the actor's LM head and log-softmax on
+the answer positions, the critic's scalar head, forward and backward (``model_step``), then the
+optimizer's work as DeepSpeed's bf16 ZeRO-0 does it (``optimizer``: the gradients copied to float32,
+fused AdamW on float32 master weights, the bf16 weights refreshed from them; fp32: AdamW alone). The
+training phase's time less these two is the run's own: the gradient all-reduce, two ranks sharing
+the memory bandwidth, the loss and statistics code.
+
     .venv/bin/python bench/matmul_ceiling.py                       # the ceiling, bf16 and fp32
     .venv/bin/python bench/matmul_ceiling.py --run --dtype bf16    # and step 3's training phase against it
+    .venv/bin/python bench/matmul_ceiling.py --model_only --dtype bf16 --metrics RUN/out/logs/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -135,6 +145,67 @@ def achieved(metrics: Path, s: Setup, skip: int) -> dict:
             "gflops": round(step_flops(s) / train_s / 1e9, 1)}
 
 
+def model_only(s: Setup, dtype: str, repeats: int = 5) -> dict:
+    """Seconds of one micro-step's model computation and of the optimizer's work, medians of ``repeats``
+    after a warm-up (module docstring), and the model step's GFLOP/s."""
+    import statistics
+
+    from transformers import OPTConfig, OPTForCausalLM, OPTModel
+
+    from chatrl.precision import attention_kwargs
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    cfg = OPTConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                    ffn_dim=s.ffn, max_position_embeddings=1024, word_embed_proj_dim=s.hidden, dropout=0.0,
+                    **attention_kwargs(dtype, "cpu"))
+    torch.manual_seed(0)
+    actor, critic = OPTForCausalLM(cfg).to(dt), OPTModel(cfg).to(dt)
+    head = torch.nn.Linear(s.hidden, 1, bias=False).to(dt)
+    seq = s.prompt + s.answer
+    ids = torch.randint(3, s.vocab, (s.batch, seq))
+    mask = torch.ones_like(ids)
+    mask[:, : s.prompt // 4] = 0  # left padding, as rollouts have
+
+    def model_step() -> None:
+        hidden = actor.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, s.prompt - 1:-1]
+        logits = actor.lm_head(hidden).float()  # the answer positions only, as chatrl's trainer
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, s.prompt:, None])
+        (-logp.mean()).backward()
+        values = head(critic(input_ids=ids, attention_mask=mask).last_hidden_state[:, s.prompt - 1:-1]).float()
+        values.pow(2).mean().backward()
+
+    params = [p for m in (actor, critic, head) for p in m.parameters()]
+    master = [p.detach().float().clone() for p in params] if dt != torch.float32 else params
+    opt = torch.optim.AdamW(master, lr=1e-6, fused=True)
+
+    def optimizer_step() -> None:
+        if dt != torch.float32:
+            for p, m in zip(params, master, strict=True):
+                m.grad = p.grad.float()
+        opt.step()
+        if dt != torch.float32:
+            for p, m in zip(params, master, strict=True):
+                p.data.copy_(m)
+                m.grad = None
+
+    times: dict[str, list[float]] = {"model_step": [], "optimizer": []}
+    for i in range(repeats + 1):
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        model_step()
+        t1 = time.perf_counter()
+        optimizer_step()
+        t2 = time.perf_counter()
+        if i:  # the first is the warm-up
+            times["model_step"].append(t1 - t0)
+            times["optimizer"].append(t2 - t1)
+    out = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    out["model_step_gflops"] = round(step_flops(s) / out["model_step"] / 1e9, 1)
+    out["parameters_m"] = round(sum(p.numel() for p in params) / 1e6, 1)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the training run's dtype")
@@ -144,6 +215,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--skip", type=int, default=1, help="first steps left out (warm-up)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (one per rank on this machine)")
+    p.add_argument("--model_only", action="store_true", help="also time the micro-step's model computation and "
+                                                             "the optimizer's work alone (module docstring)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     s = Setup()
@@ -161,6 +234,13 @@ def main() -> None:
             got["dtype"] = a.dtype
             got["share_of_ceiling"] = round(got["gflops"] / result["ceiling"][a.dtype]["gflops"], 3)
             result["training_phase"] = got
+    if a.model_only:
+        alone = model_only(s, a.dtype)
+        alone["share_of_ceiling"] = round(alone["model_step_gflops"] / result["ceiling"][a.dtype]["gflops"], 3)
+        if "training_phase" in result:
+            alone["rest_of_training_phase_s"] = round(result["training_phase"]["train_s_per_step"]
+                                                      - alone["model_step"] - alone["optimizer"], 3)
+        result["model_only"] = alone | {"dtype": a.dtype}
     print(json.dumps(result, indent=1))
 
 
