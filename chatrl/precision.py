@@ -15,9 +15,11 @@ vocabulary matrix is cast once per forward).
 
 On CPU, attention is a third island (:func:`attention_implementation`): bf16 and fp16 models load
 with :data:`FP32_SDPA`, torch's scaled-dot-product attention on float32 copies of the queries, keys
-and values. torch's CPU flash-attention kernel runs bf16 no faster than float32 and, at small head
-widths, 2-3x slower in its backward (``bench/attention_cpu.py``), so the float32 island costs nothing and
-is the more precise of the two. CUDA devices keep the model's own attention in its dtype.
+and values. Precision first: the sampler's KV-cache decoding and the trainer's full forward then
+agree to float32 rounding in attention, which removes most of their bf16 log-prob gap at TP 1
+(``docs/precision.md``). Speed on this CPU (``bench/attention_cpu.py``, forward + backward): torch's
+flash kernel runs bf16 no faster than float32, so the island is 1.1-1.7x faster for rows of up to
+256 tokens and 0.8-0.85x for rows of 512-1024. CUDA devices keep the model's attention in its dtype.
 """
 
 from __future__ import annotations
