@@ -132,13 +132,21 @@ def _bf16_ema_and_critic_exports(tmp_path, out, tok):
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    from chatrl.precision import FP32_SDPA
+
     ours = load_reward_model(str(out / "critic"), tok, dtype="bf16", require_head=True).eval()
     hf = AutoModelForSequenceClassification.from_pretrained(out / "critic", num_labels=1).eval()
+    same_body = AutoModelForSequenceClassification.from_pretrained(out / "critic", num_labels=1,
+                                                                   attn_implementation=FP32_SDPA).eval()
     assert hf.dtype == torch.bfloat16
     with torch.no_grad():
         mine = ours(ids, mask).end_scores
         theirs = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
-    assert (theirs - mine).abs().max() <= mine.abs().max() * 2 ** -8 + 1e-6, (mine, theirs)
+        body = same_body(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+    # with chatrl's attention (fp32 on CPU) the same bf16 body: within one bf16 step (HF rounds the head's
+    # output); plain transformers attends in bf16, whose rounding through the layers moves a small score more
+    assert (body - mine).abs().max() <= mine.abs().max() * 2 ** -8 + 1e-6, (mine, body)
+    assert (theirs - mine).abs().max() <= mine.abs().max() * 2 ** -4, (mine, theirs)
 
 
 @pytest.mark.slow
