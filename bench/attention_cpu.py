@@ -63,8 +63,9 @@ def main() -> None:
     from chatrl.precision import _sdpa_in_fp32
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=7, help="timings per way and shape (default 7; each row is also "
+                                                          "printed to stderr as it finishes)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: one rank's share here)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     module = torch.nn.Module()
@@ -87,7 +88,8 @@ def main() -> None:
                          "ms": ms, "bf16_sdpa_over": {w: round(ms["bf16_sdpa"] / ms[w], 2) for w in ways
                                                      if w != "bf16_sdpa"}})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"bench": "attention_cpu", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
+    cpu = torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None
+    print(json.dumps({"bench": "attention_cpu", "date": time.strftime("%Y-%m-%d"), "threads": a.threads, "cpu": cpu,
                       "torch": torch.__version__, "repeats": a.repeats, "rows": rows}, indent=1))
 
 

@@ -145,9 +145,10 @@ def achieved(metrics: Path, s: Setup, skip: int) -> dict:
             "gflops": round(step_flops(s) / train_s / 1e9, 1)}
 
 
-def model_only(s: Setup, dtype: str, repeats: int = 5) -> dict:
+def model_only(s: Setup, dtype: str, repeats: int = 5, bf16_sdpa: bool = False) -> dict:
     """Seconds of one micro-step's model computation and of the optimizer's work, medians of ``repeats``
-    after a warm-up (module docstring), and the model step's GFLOP/s."""
+    after a warm-up (module docstring), and the model step's GFLOP/s. ``bf16_sdpa``: the models attend
+    with transformers' SDPA in their own dtype instead of chatrl's attention (the island's effect)."""
     import statistics
 
     from transformers import OPTConfig, OPTForCausalLM, OPTModel
@@ -157,7 +158,7 @@ def model_only(s: Setup, dtype: str, repeats: int = 5) -> dict:
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     cfg = OPTConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
                     ffn_dim=s.ffn, max_position_embeddings=1024, word_embed_proj_dim=s.hidden, dropout=0.0,
-                    **attention_kwargs(dtype, "cpu"))
+                    **({} if bf16_sdpa else attention_kwargs(dtype, "cpu")))
     torch.manual_seed(0)
     actor, critic = OPTForCausalLM(cfg).to(dt), OPTModel(cfg).to(dt)
     head = torch.nn.Linear(s.hidden, 1, bias=False).to(dt)
@@ -212,11 +213,13 @@ def main() -> None:
     p.add_argument("--metrics", default=None, help="a step-3 metrics.jsonl of the larger set-up (one micro-step "
                                                    "per step: 4 rollouts per rank, 1 PPO epoch)")
     p.add_argument("--run", action="store_true", help="run step 3 here (ZeRO-0, --steps steps) and read its log")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=6, help="--run: step-3 steps (default 6)")
     p.add_argument("--skip", type=int, default=1, help="first steps left out (warm-up)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (one per rank on this machine)")
     p.add_argument("--model_only", action="store_true", help="also time the micro-step's model computation and "
                                                              "the optimizer's work alone (module docstring)")
+    p.add_argument("--bf16_sdpa", action="store_true", help="--model_only: attend with transformers' SDPA in the "
+                                                            "model's dtype instead of chatrl's fp32 attention on CPU")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     s = Setup()
@@ -235,12 +238,12 @@ def main() -> None:
             got["share_of_ceiling"] = round(got["gflops"] / result["ceiling"][a.dtype]["gflops"], 3)
             result["training_phase"] = got
     if a.model_only:
-        alone = model_only(s, a.dtype)
+        alone = model_only(s, a.dtype, bf16_sdpa=a.bf16_sdpa)
         alone["share_of_ceiling"] = round(alone["model_step_gflops"] / result["ceiling"][a.dtype]["gflops"], 3)
         if "training_phase" in result:
             alone["rest_of_training_phase_s"] = round(result["training_phase"]["train_s_per_step"]
                                                       - alone["model_step"] - alone["optimizer"], 3)
-        result["model_only"] = alone | {"dtype": a.dtype}
+        result["model_only"] = alone | {"dtype": a.dtype, "attention": "bf16 sdpa" if a.bf16_sdpa else "chatrl's"}
     print(json.dumps(result, indent=1))
 
 

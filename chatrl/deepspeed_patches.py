@@ -145,7 +145,7 @@ def gloo_reduce_scatter_by_all_reduce(single_node: bool) -> bool:
     205 ms; 4 MB: 1.6 against 6.7 ms; below about 1 MB the two are within a fraction of a
     millisecond). ZeRO-3 reduce-scatters every gradient bucket; on the larger benchmark actor the
     switch took step 3's ZeRO-3 training phase from 6.33 / 6.49 to 5.91 / 5.94 s per step in two
-    interleaved pairs (``bench/results/step3_h512_ab_2026-12-01_s6.json``). The input ``(world·n,)``
+    interleaved pairs (``bench/results/step3_h512_ab_2026-12-01_2.json``). The input ``(world·n,)``
     is all-reduced in place and this rank's slot becomes the output ``(n,)``: the same sum (bit for bit
     on two ranks; with more, the two collectives may add in another order, within float rounding).
 

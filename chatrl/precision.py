@@ -17,9 +17,11 @@ On CPU, attention is a third island (:func:`attention_implementation`): bf16 and
 with :data:`FP32_SDPA`, torch's scaled-dot-product attention on float32 copies of the queries, keys
 and values. Precision first: the sampler's KV-cache decoding and the trainer's full forward then
 agree to float32 rounding in attention, which removes most of their bf16 log-prob gap at TP 1
-(``docs/precision.md``). Speed on this CPU (``bench/attention_cpu.py``, forward + backward): torch's
-flash kernel runs bf16 no faster than float32, so the island is 1.1-1.7x faster for rows of up to
-256 tokens and 0.8-0.85x for rows of 512-1024. CUDA devices keep the model's attention in its dtype.
+(``docs/precision.md``). Speed on this CPU (``bench/attention_cpu.py``, forward + backward): for rows
+of up to 256 tokens torch's flash kernel runs bf16 no faster than float32 (its backward slower at
+small head widths), so there the island is 1.1-1.7x faster than bf16 SDPA; for rows of 512-1024
+tokens bf16 SDPA is the faster and the island runs at 0.78-0.86x. CUDA devices keep the model's
+attention in its dtype.
 """
 
 from __future__ import annotations
@@ -127,8 +129,14 @@ def attention_implementation(dtype: str, device_type: str | None = None) -> str 
 
     Args:
         dtype: ``fp32`` | ``bf16`` | ``fp16`` (resolved: not ``auto``).
-        device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when a CUDA device is visible, else CPU.
+        device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when a CUDA device is visible, else CPU
+            (the device chatrl's programs run on).
+
+    Raises:
+        ValueError: ``dtype`` is not a resolved dtype.
     """
+    if dtype not in DTYPE_CHOICES or dtype == "auto":
+        raise ValueError(f"attention_implementation: dtype must be fp32, bf16 or fp16, got {dtype!r}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype in ("bf16", "fp16") and device_type == "cpu":

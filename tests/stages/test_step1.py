@@ -60,8 +60,9 @@ def test_step1_stories260k_lora_only_moves_lora_and_saves_merged(tmp_path):
 
 # ZeRO 0/2/3 loss curves agree to fp32 rounding. In bf16, ZeRO-2 and 3 agree as closely (measured
 # 2026-12-01: equal to the last bit), while ZeRO-0 (DeepSpeed's bf16 data-parallel optimizer: bf16
-# gradients accumulated and all-reduced whole, fp32 master weights) rounds elsewhere: at most 0.028
-# apart over 6 steps of loss about 3; BF16_STAGE_GAP states the tolerance (docs/precision.md).
+# gradients accumulated and all-reduced whole, fp32 master weights) rounds elsewhere: at most 0.031
+# apart over 6 steps of loss about 3 (2026-12-02, attention in fp32 on CPU; 0.028 before);
+# BF16_STAGE_GAP states the tolerance (docs/precision.md).
 BF16_STAGE_GAP = 4e-2
 
 

@@ -307,6 +307,8 @@ def test_low_precision_models_attend_in_float32_on_cpu_only():
     assert precision.attention_implementation("fp32", "cpu") is None
     assert precision.attention_implementation("bf16", "cuda") is None
     assert precision.attention_kwargs("fp32", "cpu") == {}
+    with pytest.raises(ValueError, match="dtype must be fp32, bf16 or fp16, got 'auto'"):
+        precision.attention_implementation("auto", "cpu")
 
 
 @pytest.mark.parametrize("masked", [False, True])
