@@ -96,9 +96,10 @@ def resolve_dtype(name: str, device_type: str | None = None) -> tuple[str, str]:
 
 def _sdpa_in_fp32(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention on float32 copies of ``query``, ``key``, ``value`` ``(B, H, L, D)``
-    (and of a floating ``attention_mask``; a boolean one is used as it is); the output
-    ``(B, L, H, D)`` is cast back to ``query``'s dtype. Softmax, scores and the weighted sum are all
+    """transformers' SDPA attention on float32 copies of ``query`` ``(B, H, L, D)``, ``key`` and ``value``
+    ``(B, H_kv, L_kv, D)`` (grouped-query heads repeated by transformers), and of a floating
+    ``attention_mask`` (a boolean one is used as it is); the output ``(B, L, H, D)`` is cast back to
+    ``query``'s dtype. Softmax, scores and the weighted sum are all
     float32, in the forward and the backward."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
