@@ -34,12 +34,12 @@ from chatrl.envs import load_environment
 from chatrl.models import (
         check_context_window,
         context_window,
+        load_chat_lm,
         load_tokenizer,
         sampling_settings,
         stop_token_ids,
-        torch_dtype,
     )
-from chatrl.precision import attention_kwargs, resolve_dtype
+from chatrl.precision import resolve_dtype
 from chatrl.web_chat import serve
 
 
@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> None:
         return serve(args)
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
     dtype, why = resolve_dtype(args.dtype, torch.device(device).type)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.path, trust_remote_code=args.trust_remote_code, dtype=torch_dtype(dtype),
-        **attention_kwargs(dtype, torch.device(device).type)).to(device).eval()  # as the trainer attends
+    model = load_chat_lm(args.path, dtype, device, args.trust_remote_code)
     window = context_window(model.config) or tokenizer.model_max_length
     budget = max(1, window - args.max_new_tokens)  # >= 1 checked above when the config names its window
     if args.seed is not None:

@@ -173,6 +173,25 @@ def fit_embeddings(model, tokenizer) -> None:
         gen.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
+def load_chat_lm(path: str, dtype: str, device, trust_remote_code: bool = False):
+    """A saved causal LM for generation, as the chats load it: weights in ``dtype``, the attention the
+    trainer used on ``device``'s type (:func:`chatrl.precision.attention_kwargs`: fp32 on CPU for bf16),
+    moved to ``device``, in eval mode.
+
+    Args:
+        path: HF folder or hub name. dtype: ``fp32`` | ``bf16`` | ``fp16`` (resolved, not ``auto``).
+        device: a torch device or its name (``"cpu"``, ``"cuda:0"``). trust_remote_code: passed to transformers.
+
+    Raises:
+        OSError: ``path`` holds no loadable model (from transformers).
+    """
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=trust_remote_code, dtype=torch_dtype(dtype),
+        **attention_kwargs(dtype, torch.device(device).type)).to(device).eval()
+
+
 def load_causal_lm(
     path: str,
     tokenizer,

@@ -26,8 +26,8 @@ from pathlib import Path
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.models import load_tokenizer, stop_token_ids, torch_dtype
-from chatrl.precision import attention_kwargs, resolve_dtype
+from chatrl.models import load_chat_lm, load_tokenizer, stop_token_ids
+from chatrl.precision import resolve_dtype
 
 ROLES = ("system", "user", "assistant")
 
@@ -64,14 +64,10 @@ class ChatModel:
 
     def __init__(self, path: str, device: str, trust_remote_code: bool = False, role: str = "model",
                  dtype: str = "fp32"):
-        from transformers import AutoModelForCausalLM
-
         self.path, self.name = path, _short_name(path)
         self.role = model_role(path) or role
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, trust_remote_code=trust_remote_code, dtype=torch_dtype(dtype),
-            **attention_kwargs(dtype, str(device).split(":")[0])).to(device).eval()  # as the trainer attends
+        self.model = load_chat_lm(path, dtype, device, trust_remote_code)
         self.device = device
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)  # the stop set of every chatrl generation
         self.context = getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length
