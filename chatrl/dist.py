@@ -500,6 +500,8 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
         raise RuntimeError("DeepSpeed wrapped the fp32 ZeRO-0 optimizer; chatrl's gradient clipping would be lost")
     if sparse:
         deepspeed_patches.densify_after_allreduce(engine, sparse)
+    if optimizer is not None:
+        deepspeed_patches.kept_allreduce_buffer(engine)
     return engine
 
 

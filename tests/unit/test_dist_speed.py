@@ -330,3 +330,78 @@ def test_an_old_extension_build_lock_is_reported(tmp_path, monkeypatch):
     os.utime(old, (stamp, stamp))
     assert deepspeed_patches.stale_build_locks() == [old]
     assert deepspeed_patches.stale_build_locks(max_age_s=0.0) == sorted([old, fresh])
+
+
+_LEAN_BF16_PROBE = r"""
+import copy, json, sys, types
+import torch
+from transformers import OPTConfig, OPTForSequenceClassification
+from chatrl import dist
+from chatrl.sizes import BatchSizes
+info = dist.init_distributed()
+cfg = OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+                max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0)
+torch.manual_seed(0)
+model = OPTForSequenceClassification(cfg).to(torch.bfloat16)
+model.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))  # never receives a gradient
+plain, start = copy.deepcopy(model), copy.deepcopy(model)
+config = dist.deepspeed_config(BatchSizes(2, 1, info.world_size), 0, dtype="bf16", gradient_clipping=float(sys.argv[1]))
+engines = []
+for m in (model, plain):
+    groups = [{"params": list(m.parameters()), "weight_decay": 0.1}]
+    engines.append(dist.initialize(m, config, dist.make_optimizer(groups, lr=1e-2, offload=False)))
+lean, deepspeed_own = engines
+opt = deepspeed_own.optimizer
+opt.step = types.MethodType(type(opt).step.deepspeed_step, opt)  # this engine keeps DeepSpeed's step
+from torch._utils import _flatten_dense_tensors
+kept = lean.flatten is not _flatten_dense_tensors
+deepspeed_own.flatten = _flatten_dense_tensors  # and DeepSpeed's all-reduce bucket
+g = torch.Generator().manual_seed(1)
+norms, skipped_at = [], []
+for step in range(4):
+    ids = torch.randint(2, 500, (info.world_size, 2, 12), generator=g)[info.rank]
+    for e in engines:
+        loss = e(input_ids=ids).logits.float().pow(2).sum() * 10
+        e.backward(loss * float("nan") if step == 2 else loss)  # step 2: a non-finite gradient
+        e.step()
+    norms.append([e.optimizer._global_grad_norm for e in engines])
+    skipped_at.append([e.skipped_steps for e in engines])
+diff = max((p.detach().float() - q.detach().float()).abs().max().item()
+           for p, q in zip(lean.module.parameters(), deepspeed_own.module.parameters()))
+moved = min((p.detach().float() - q.detach().float()).abs().max().item()
+            for (n, p), q in zip(lean.module.named_parameters(), start.parameters()) if n != "unused")
+if info.rank == 0:
+    print("RESULT", json.dumps({"kind": type(lean.optimizer).__name__, "diff": diff, "kept": kept, "moved": moved, "norms": norms,
+                                "skipped": skipped_at, "dtype": str(next(lean.module.parameters()).dtype)}), flush=True)
+dist.shutdown()
+dist.exit_now()
+"""
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_lean_bf16_zero0_step_takes_deepspeeds_steps(clip, tmp_path):
+    """Two ranks, bf16 at ZeRO-0: DeepSpeed wraps AdamW in its unfused bf16 optimizer, whose step chatrl
+    replaces (:func:`chatrl.deepspeed_patches.lean_bf16_zero0_step`), and chatrl's engines flatten the
+    gradients for the all-reduce into a kept buffer (:func:`~chatrl.deepspeed_patches.kept_allreduce_buffer`).
+    Against a copy of the same engine that keeps DeepSpeed's own step and flattening, over four steps (weight decay, a parameter that never gets a
+    gradient, clipping on and off, a NaN loss at the third): the global gradient norms are the same
+    number, both skip the NaN step and only it, and the bf16 weights end equal."""
+    import json
+
+    from tests.launch import run_ranks
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_LEAN_BF16_PROBE)
+    out = run_ranks([str(probe), str(clip)], nprocs=2, timeout=300)
+    res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT")).split(" ", 1)[1])
+    assert res["kind"] == "FP16_UnfusedOptimizer" and res["dtype"] == "torch.bfloat16" and res["kept"]
+    assert [s for s, _ in res["skipped"]] == [0, 0, 1, 1] and [s for _, s in res["skipped"]] == [0, 0, 1, 1]
+    for step, (lean, own) in enumerate(res["norms"]):
+        if step == 2:
+            assert lean == own == float("inf")
+        else:
+            assert lean > 0 and lean == own, res["norms"]
+    if clip:
+        assert min(n for n, _ in res["norms"]) > clip  # every finite step was clipped
+    assert res["moved"] > 0  # every trained tensor changed
+    assert res["diff"] == 0.0, res
