@@ -115,8 +115,9 @@ def ceiling(s: Setup, dtype: torch.dtype) -> dict:
     return {"gflops": round(total / total_s / 1e9, 1), "products": rows}
 
 
-def run_step3(dtype: str, steps: int, work: Path) -> Path:
-    """The larger set-up's step 3 at ZeRO-0 with the hybrid engine; returns its metrics log."""
+def run_step3(dtype: str, steps: int, work: Path, batch: int = 4) -> Path:
+    """The larger set-up's step 3 at ZeRO-0 with the hybrid engine, ``batch`` rollouts per rank (generated
+    and trained as one micro-batch); returns its metrics log."""
     import subprocess
 
     from bench.step3 import make_side_by_side_setup
@@ -127,8 +128,8 @@ def run_step3(dtype: str, steps: int, work: Path) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "chatrl.step3_ppo",
            "--actor_model_name_or_path", setup["sft"], "--critic_model_name_or_path", setup["rm"],
            "--data_path", setup["prompts"], "--data_split", "0,0,10", "--data_output_path", str(work / "cache"),
-           "--max_prompt_seq_len", "128", "--max_answer_seq_len", "64", "--per_device_generation_batch_size", "4",
-           "--per_device_training_batch_size", "4", "--max_steps", str(steps), "--num_warmup_steps", "0",
+           "--max_prompt_seq_len", "128", "--max_answer_seq_len", "64", "--per_device_generation_batch_size", str(batch),
+           "--per_device_training_batch_size", str(batch), "--max_steps", str(steps), "--num_warmup_steps", "0",
            "--temperature", "0.7", "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--enable_hybrid_engine",
            "--seed", "1", "--dtype", dtype, "--disable_progress_bar", "--output_dir", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
@@ -215,6 +216,8 @@ def main() -> None:
     p.add_argument("--run", action="store_true", help="run step 3 here (ZeRO-0, --steps steps) and read its log")
     p.add_argument("--steps", type=int, default=6, help="--run: step-3 steps (default 6)")
     p.add_argument("--skip", type=int, default=1, help="first steps left out (warm-up)")
+    p.add_argument("--batch", type=int, default=4, help="rollouts per rank in a micro-step (default 4, the larger "
+                                                         "PPO set-up; DeepSpeed-Chat's default is 16)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (one per rank on this machine)")
     p.add_argument("--model_only", action="store_true", help="also time the micro-step's model computation and "
                                                              "the optimizer's work alone (module docstring)")
@@ -222,7 +225,7 @@ def main() -> None:
                                                             "model's dtype instead of chatrl's fp32 attention on CPU")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    s = Setup()
+    s = Setup(batch=a.batch)
     result = {"bench": "matmul_ceiling", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
               "cpu": torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None,
               "setup": vars(s) | {"tokens": s.tokens}, "step_gflop": round(step_flops(s) / 1e9, 2),
@@ -231,7 +234,7 @@ def main() -> None:
     metrics = Path(a.metrics) if a.metrics else None
     with tempfile.TemporaryDirectory(prefix="chatrl_ceiling_") as tmp:
         if a.run:
-            metrics = run_step3(a.dtype, a.steps, Path(tmp))
+            metrics = run_step3(a.dtype, a.steps, Path(tmp), a.batch)
         if metrics is not None:
             got = achieved(metrics, s, a.skip)
             got["dtype"] = a.dtype
