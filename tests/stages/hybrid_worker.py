@@ -158,8 +158,8 @@ def check_share(engine, tok, results, tps, rank, n, rows=32):
     """Greedy tokens through the engine against plain HF generate on the same weights, in the engine's
     dtype: the share of this job's prompts (``rows`` per rank, prompt lengths 4 to 19) whose answers are
     equal token for token, and the first step at which any answer differs, per TP size. In bf16 the
-    two decoders round differently (the engine's ``W @ hᵀ`` head and preallocated cache against HF's),
-    and a near-tie between the two likeliest tokens can flip; in fp32 every answer is equal."""
+    two decoders round differently (the engine's preallocated cache and, at TP 2, its sharded products
+    against HF's), and a near-tie between the two likeliest tokens can flip; in fp32 every answer is equal."""
     gen = torch.Generator().manual_seed(200 + rank)
     lengths = [4 + (i % 16) for i in range(rows)]
     width = max(lengths)
