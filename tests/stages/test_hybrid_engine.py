@@ -47,8 +47,8 @@ def test_llama_zero3_lora_exact_and_unsupported_fallback(tiny_llama):
 @pytest.mark.slow
 def test_bf16_greedy_tokens_equal_plain_generation_on_a_stated_share():
     """stories260K in bf16 under ZeRO-3, 64 prompts over 2 ranks, 24 greedy tokens: the engine's answers
-    against plain HF generate on the same bf16 weights. Measured (2026-12-01): TP 1 64 of 64 equal; TP 2
-    45 of 64, the first divergence at the first token (TP 2 rounds each rank's partial sum of a
+    against plain HF generate on the same bf16 weights. Measured (2026-12-02): TP 1 64 of 64 equal; TP 2
+    41 of 64 (45 while the bf16 head was multiplied as ``W @ hᵀ``), the first divergence at the first token (TP 2 rounds each rank's partial sum of a
     row-parallel layer to bf16 before the all-reduce adds them; a near-tie then flips). fp32: 64 of 64
     at both (docs/precision.md)."""
     from tests.conftest import STORIES
