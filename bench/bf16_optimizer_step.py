@@ -7,7 +7,7 @@ One process, one thread (what a rank has on this 2-core machine), a one-rank glo
 model shape, random OPT weights in bf16 under a DeepSpeed engine built as chatrl builds trained
 models (fused AdamW, ZeRO-0, bf16, gradient clipping 1.0), random bf16 gradients, then the two
 steps alternated ``--repeats`` times (the first pair dropped as warm-up); the same for the two
-flattenings. Prints one JSON object: median seconds and DeepSpeed's time over chatrl's.
+flattenings. Prints one JSON object: median milliseconds and DeepSpeed's time over chatrl's.
 
     .venv/bin/python bench/bf16_optimizer_step.py
 """
@@ -65,7 +65,7 @@ def measure(shape: tuple[int, int, int, int], repeats: int) -> dict:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-            **{f"{k}_s": round(v, 4) for k, v in med.items()},
+            **{f"{k}_ms": round(v * 1e3, 2) for k, v in med.items()},
             "step_deepspeed_over_chatrl": round(med["step_deepspeed"] / med["step_chatrl"], 2),
             "flatten_deepspeed_over_chatrl": round(med["flatten_deepspeed"] / med["flatten_chatrl"], 2)}
 

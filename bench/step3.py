@@ -219,7 +219,7 @@ def _summary(runs: list[dict]) -> dict:
     def med(xs):
         return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
-    return {"runs": len(runs), "rollouts_per_s": med([r["rollouts_per_s"] for r in runs]),
+    return {"runs": len(runs), "per_run": runs, "rollouts_per_s": med([r["rollouts_per_s"] for r in runs]),
             "launch_to_exit_s": med([r["launch_to_exit_s"] for r in runs]),
             "phase_s": {k: round(statistics.median(r["phase_s"][k] for r in runs), 2) for k in runs[0]["phase_s"]},
             "peak_rss_mib": {k: max(r["peak_rss_mib"].get(k, 0.0) for r in runs) for k in runs[0]["peak_rss_mib"]}}

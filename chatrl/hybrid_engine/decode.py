@@ -197,10 +197,10 @@ def project_head(head: torch.nn.Module, hidden: torch.Tensor, weight: torch.Tens
     ``weight``: the head's matrix (:func:`head_weight`; default ``head.weight``); ``hidden`` is cast
     to its dtype, so a float32 matrix gives float32 logits from a bf16 body, as the training
     forward's float32 head does. On a CPU with a few rows of an fp32 matrix, ``W @ hᵀ`` streams the
-    large vocabulary matrix once in the layout the BLAS prefers and runs about 1.4× faster than
-    ``h @ Wᵀ`` (fp32, 8 rows, 512 × 50272: 14 ms against 21 ms on one EPYC core; 4 rows: 8.2 against
-    18.0 ms); the result differs only in summation order (~1e-7). A bf16 matrix is the other way
-    round (4 rows: 7.3 ms as ``h @ Wᵀ``, 10.7 ms as ``W @ hᵀ``), so it keeps ``h @ Wᵀ``, HF's form.
+    large vocabulary matrix once in the layout the BLAS prefers and runs faster than ``h @ Wᵀ``; a bf16
+    matrix is the other way round, so it keeps ``h @ Wᵀ``, HF's form (4 rows, 512 × 50272, one EPYC
+    core: fp32 11.4 ms as ``W @ hᵀ`` against 20.6 ms; bf16 7.0–8.4 ms as ``h @ Wᵀ`` against 10.6–12.0 ms;
+    ``bench/results/decode_floor_rows4_2026-12-02.json``). The forms differ only in summation order.
     """
     weight = head.weight if weight is None else weight
     hidden = hidden.to(weight.dtype)

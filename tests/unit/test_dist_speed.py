@@ -347,8 +347,10 @@ model.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))  # never 
 plain, start = copy.deepcopy(model), copy.deepcopy(model)
 config = dist.deepspeed_config(BatchSizes(2, 1, info.world_size), 0, dtype="bf16", gradient_clipping=float(sys.argv[1]))
 engines = []
-for m in (model, plain):
-    groups = [{"params": list(m.parameters()), "weight_decay": 0.1}]
+for m in (model, plain):  # two parameter groups, as chatrl builds them (no decay on biases and norms)
+    named = list(m.named_parameters())
+    groups = [{"params": [p for n, p in named if p.ndim > 1], "weight_decay": 0.1},
+              {"params": [p for n, p in named if p.ndim <= 1], "weight_decay": 0.0}]
     engines.append(dist.initialize(m, config, dist.make_optimizer(groups, lr=1e-2, offload=False)))
 lean, deepspeed_own = engines
 opt = deepspeed_own.optimizer
@@ -366,6 +368,12 @@ for step in range(4):
         e.step()
     norms.append([e.optimizer._global_grad_norm for e in engines])
     skipped_at.append([e.skipped_steps for e in engines])
+for e in engines:  # a step straight on the optimizers, one parameter without a gradient (DeepSpeed's
+    g = torch.Generator().manual_seed(5)       # all-reduce zero-fills them, so an engine step never has one)
+    for n, p in e.module.named_parameters():
+        p.grad = None if n == "score.weight" else (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+    e.optimizer.step()
+    norms.append(e.optimizer._global_grad_norm)
 diff = max((p.detach().float() - q.detach().float()).abs().max().item()
            for p, q in zip(lean.module.parameters(), deepspeed_own.module.parameters()))
 moved = min((p.detach().float() - q.detach().float()).abs().max().item()
@@ -383,9 +391,10 @@ def test_lean_bf16_zero0_step_takes_deepspeeds_steps(clip, tmp_path):
     """Two ranks, bf16 at ZeRO-0: DeepSpeed wraps AdamW in its unfused bf16 optimizer, whose step chatrl
     replaces (:func:`chatrl.deepspeed_patches.lean_bf16_zero0_step`), and chatrl's engines flatten the
     gradients for the all-reduce into a kept buffer (:func:`~chatrl.deepspeed_patches.kept_allreduce_buffer`).
-    Against a copy of the same engine that keeps DeepSpeed's own step and flattening, over four steps (weight decay, a parameter that never gets a
-    gradient, clipping on and off, a NaN loss at the third): the global gradient norms are the same
-    number, both skip the NaN step and only it, and the bf16 weights end equal."""
+    Against a copy of the same engine that keeps DeepSpeed's own step and flattening, over four steps (two
+    parameter groups, weight decay, a parameter that never gets a gradient, clipping on and off, a NaN
+    loss at the third) and a fifth optimizer step taken directly with one gradient missing: the global
+    gradient norms are the same number, both skip the NaN step and only it, and the bf16 weights end equal."""
     import json
 
     from tests.launch import run_ranks
@@ -396,12 +405,14 @@ def test_lean_bf16_zero0_step_takes_deepspeeds_steps(clip, tmp_path):
     res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT")).split(" ", 1)[1])
     assert res["kind"] == "FP16_UnfusedOptimizer" and res["dtype"] == "torch.bfloat16" and res["kept"]
     assert [s for s, _ in res["skipped"]] == [0, 0, 1, 1] and [s for _, s in res["skipped"]] == [0, 0, 1, 1]
-    for step, (lean, own) in enumerate(res["norms"]):
+    direct = res["norms"][4:]
+    assert len(direct) == 2 and direct[0] == direct[1] > 0, direct
+    for step, (lean, own) in enumerate(res["norms"][:4]):
         if step == 2:
             assert lean == own == float("inf")
         else:
             assert lean > 0 and lean == own, res["norms"]
     if clip:
-        assert min(n for n, _ in res["norms"]) > clip  # every finite step was clipped
+        assert min(n for n, _ in res["norms"][:4]) > clip  # every finite step was clipped
     assert res["moved"] > 0  # every trained tensor changed
     assert res["diff"] == 0.0, res
