@@ -13,7 +13,7 @@ the figures) and is applied once at start-up by :func:`chatrl.dist.init_distribu
 * :func:`gloo_reduce_scatter_by_all_reduce`: gloo's reduce-scatter is twice as slow as its all-reduce;
 * :func:`sparse_embedding_grads`: fp32 ZeRO-0 all-reduces whole embedding tables for a few rows;
 * :func:`lean_bf16_zero0_step`: bf16 ZeRO-0's optimizer step copies and scans every gradient three times;
-* :func:`kept_allreduce_buffer`: ZeRO-0 flattens the gradients into fresh memory at every step (on CPU).
+* :func:`kept_allreduce_buffer`: ZeRO-0's all-reduce flattens the gradients into fresh memory at every step (on CPU).
 """
 
 from __future__ import annotations
@@ -339,11 +339,13 @@ def _lean_bf16_step(opt) -> bool:
 
 
 def kept_allreduce_buffer(engine) -> bool:
-    """Flatten a CPU engine's gradients for its ZeRO-0 all-reduce into one buffer kept between steps;
+    """Flatten a CPU engine's gradients for its bucketed all-reduce into one buffer kept between steps;
     returns True when installed (models on CPU).
 
-    At ZeRO stage 0 DeepSpeed's ``allreduce_bucket`` flattens the gradients into a new tensor (the
-    engine's ``flatten``), all-reduces it and copies the sums back, at every step. On CPU new memory
+    On its bucketed path (``buffered_allreduce_fallback``: ZeRO stage 0, and ZeRO-1 when its optimizer
+    has no reduction of its own) DeepSpeed's ``allreduce_bucket`` flattens the gradients into a new
+    tensor (the engine's ``flatten``), all-reduces it and copies the sums back, at every step. ZeRO-2
+    and ZeRO-3 reduce through their own buffers and never call ``flatten``. On CPU new memory
     costs a page fault per 4 KiB page at first touch, which made the flattening 30 % of the larger PPO
     set-up's gradient all-reduce (py-spy). Here ``engine.flatten`` concatenates into a buffer of the
     gradients' dtype that is kept (grown when a bucket is larger, a slice of it otherwise): the same
