@@ -3,15 +3,17 @@ of given tokens and the entropy of each position's distribution, computed from l
 
 Below the hybrid engine (its sampler reports each sampled token's log-prob with the training
 forward's own formula, so that ``rollout/logp_diff`` measures the forward passes only) and the RL
-maths (:mod:`chatrl.rl`). Pure tensor functions; log-probabilities are in nats; work is done one
-row at a time so that a bf16 ``(B, T, V)`` batch is never up-cast to float32 whole.
+maths (:mod:`chatrl.rl`). Pure tensor functions; log-probabilities are in nats; the log-probs are
+computed a few positions at a time with a backward of their own (:func:`token_logprobs`), so that a
+bf16 ``(B, T, V)`` batch is never up-cast to float32 whole, forward or backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "float_dtype", "logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy"]
+__all__ = ["IGNORE_INDEX", "float_dtype", "logprobs_from_logits", "token_logprobs", "entropy_from_logits",
+           "logprobs_and_entropy"]
 
 #: A label that carries no loss (PyTorch's ``cross_entropy`` default): prompt tokens, padding.
 IGNORE_INDEX = -100
@@ -48,9 +50,8 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     ``out[b, t] = logits[b, t, labels[b, t]] - logsumexp(logits[b, t, :])``. No shift is applied:
     ``logits[:, t]`` must already be the prediction for ``labels[:, t]`` (for answer tokens, slice
     full-sequence logits as ``logits[:, P - 1 : P + A - 1]``; see the module docstring).
-
-    Memory: works one row at a time, so at most one ``(T, V)`` float32 copy exists beside the
-    input (a bf16 ``(B, T, V)`` batch is never up-cast whole). Differentiable.
+    :func:`token_logprobs` at temperature 1, whose chunks keep the float32 work small.
+    Differentiable.
 
     Args:
         logits: ``(B, T, V)`` any floating dtype.
@@ -65,22 +66,105 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     Source: log pi(a|s) of the policy-gradient objective, Schulman et al. 2017, eq. (7).
     """
     _check_logits_labels("logprobs_from_logits", logits, labels)
-    dtype = float_dtype(logits)
-    rows = []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        row = row_logits.to(dtype)
-        picked = row.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
-        rows.append(picked - torch.logsumexp(row, dim=-1))
-    if not rows:
-        return logits.new_zeros(labels.shape, dtype=dtype)
-    return torch.stack(rows)
+    return token_logprobs(logits, labels)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                   entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``labels`` under ``softmax(logits / temperature)`` (and, with ``entropy``,
+    each position's entropy), a few positions at a time, with a backward of its own.
+
+    Per chunk of positions: ``z = logits.to(float32) / temperature`` (no division at 1),
+    ``logp = z[label] - logsumexp(z)``, ``H = logsumexp(z) - sum_v softmax(z)_v z_v``. The backward
+    is the closed form ``d logp / d logits = (onehot(label) - softmax(z)) / temperature`` times the
+    incoming gradient, computed chunk by chunk from the saved logits and ``logsumexp`` and cast
+    to the logits' dtype. The numbers are those of autograd through the plain formula (up-cast the
+    whole tensor, divide, gather minus logsumexp), to the bit on CPU in bf16 and fp32
+    (``tests/unit/test_logprobs.py``); what changes is the work: the plain formula's backward
+    makes five full-size float32 temporaries (the up-cast, the division, the gather's zeros,
+    ``exp(z - lse)`` and the sum of the two gradients) and streams each through memory, where this
+    one's temporaries are a chunk each: on CPU about 1 MiB (about 5 positions of a 50k vocabulary),
+    which stays in the core's cache; elsewhere 64 MiB. ``bench/token_logprobs.py`` measures it.
+
+    Args:
+        logits: ``(B, T, V)`` any floating dtype (the work is in float32, float64 for float64).
+        labels: ``(B, T)`` integer ids in ``[0, V)`` (not checked here; :func:`logprobs_from_logits`
+            checks them).
+        temperature: > 0; the sampler's (step 3 scores its rollouts at it).
+        entropy: also return the entropy; it is not differentiable (logged, not optimised).
+
+    Returns:
+        ``logp`` ``(B, T)`` in nats, float32 (float64 for float64 logits); with ``entropy``,
+        ``(logp, entropy)``, both ``(B, T)``.
+
+    Source: log pi(a|s), Schulman et al. 2017, eq. (7); the softmax's gradient
+    ``d log softmax(z)_y / d z = onehot(y) - softmax(z)``.
+    """
+    logp, ent = _TokenLogprobs.apply(logits, labels, float(temperature), entropy)
+    return (logp, ent) if entropy else logp
+
+
+def _chunk_positions(logits: torch.Tensor, dtype: torch.dtype) -> int:
+    """Positions per chunk of :func:`token_logprobs`: about 1 MiB of ``dtype`` work per chunk on CPU
+    (the per-core cache), 64 MiB elsewhere."""
+    budget = (1 << 20) if logits.device.type == "cpu" else (64 << 20)
+    return max(1, budget // max(1, logits.shape[-1] * torch.finfo(dtype).bits // 8))
+
+
+def _chunks(logits: torch.Tensor, dtype: torch.dtype):
+    step = _chunk_positions(logits, dtype)
+    for b in range(logits.shape[0]):
+        for t in range(0, logits.shape[1], step):
+            yield b, slice(t, t + step)
+
+
+def _scaled(chunk: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    z = chunk.to(dtype)
+    return z / temperature if temperature != 1.0 else z
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """:func:`token_logprobs`' forward and closed-form backward."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature: float, entropy: bool):
+        dtype = float_dtype(logits)
+        logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else None
+        for b, t in _chunks(logits, dtype):
+            z = _scaled(logits[b, t], dtype, temperature)
+            lse[b, t] = torch.logsumexp(z, dim=-1)
+            logp[b, t] = z.gather(-1, labels[b, t].unsqueeze(-1)).squeeze(-1) - lse[b, t]
+            if entropy:
+                probs = (z - lse[b, t].unsqueeze(-1)).exp_()
+                ent[b, t] = lse[b, t] - torch.linalg.vecdot(probs, z)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature = temperature
+        if ent is None:
+            ent = logp.new_zeros(())
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, labels, lse = ctx.saved_tensors
+        temperature, dtype = ctx.temperature, grad_logp.dtype
+        grad = torch.empty_like(logits)
+        for b, t in _chunks(logits, dtype):
+            g = grad_logp[b, t].unsqueeze(-1)
+            z = _scaled(logits[b, t], dtype, temperature)
+            gz = (z - lse[b, t].unsqueeze(-1)).exp_().mul_(-g)  # the logsumexp's share: -g softmax(z)
+            gz.scatter_add_(-1, labels[b, t].unsqueeze(-1), g)  # the label's: + g
+            grad[b, t] = gz.div_(temperature) if temperature != 1.0 else gz
+        return grad, None, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax distribution at every position, in nats, float32.
 
-    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` per position. Row-at-a-time like
-    :func:`logprobs_from_logits`. Mask the result with the action mask before averaging.
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` per position, one row at a time (a
+    float32 copy of one row beside the input). Mask the result with the action mask before averaging.
 
     Args:
         logits: ``(B, T, V)`` any floating dtype.
@@ -107,13 +191,13 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass per row, sharing ``logsumexp``.
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass, sharing ``logsumexp``
+    (:func:`token_logprobs` with ``entropy``).
 
-    The log-probabilities are computed by the same operations as :func:`logprobs_from_logits` (equal
-    to it bit for bit); the entropy ``H = lse - sum_v p_v z_v`` reuses ``lse`` and takes
-    ``p = exp(z - lse)`` in place, so one ``(T, V)`` float32 temporary exists beside the input
-    instead of the three of the separate functions. For the experience pass, where the entropy
-    is only logged.
+    The log-probabilities equal :func:`logprobs_from_logits`' bit for bit; the entropy
+    ``H = lse - sum_v p_v z_v`` reuses ``lse`` and takes ``p = exp(z - lse)`` in place, one chunk of
+    positions at a time. For the experience pass, where the entropy is only logged (it is not
+    differentiable).
 
     Args:
         logits: ``(B, T, V)`` any floating dtype. labels: ``(B, T)`` integer ids in ``[0, V)``.
@@ -125,17 +209,4 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
         ValueError: as :func:`logprobs_from_logits`.
     """
     _check_logits_labels("logprobs_and_entropy", logits, labels)
-    dtype = float_dtype(logits)
-    logp, entropy = [], []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        row = row_logits.to(dtype)
-        lse = torch.logsumexp(row, dim=-1)
-        logp.append(row.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1) - lse)
-        probs = (row - lse.unsqueeze(-1)).exp_()
-        entropy.append(lse - torch.linalg.vecdot(probs, row))
-    if not logp:
-        empty = logits.new_zeros(labels.shape, dtype=dtype)
-        return empty, empty.clone()
-    return torch.stack(logp), torch.stack(entropy)
-
-
+    return token_logprobs(logits, labels, entropy=True)

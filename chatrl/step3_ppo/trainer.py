@@ -50,7 +50,7 @@ import torch
 from chatrl.config import PackingConfig, PPOConfig
 from chatrl.envs import EnvFactory
 from chatrl.envs.rollout import episode_seed, run_episodes
-from chatrl.logprobs import float_dtype, logprobs_and_entropy, logprobs_from_logits
+from chatrl.logprobs import float_dtype, logprobs_from_logits, token_logprobs
 from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
 from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
@@ -203,21 +203,14 @@ def packed_answer_logp(model, sequences: torch.Tensor, attention_mask: torch.Ten
     """Log-probs ``(B, A)`` of the answer tokens (and their entropy ``(B, A)`` with ``entropy``) under
     ``model`` at ``temperature``, computed on packed rows (:func:`chatrl.packing.pack_rollouts`) with
     the LM head on the answer positions only: the padded path's numbers on each answer token, 0
-    beyond each answer. One answer's width of logits at a time goes through the token maths."""
+    beyond each answer (:func:`chatrl.logprobs.token_logprobs`, float32 before the temperature)."""
     packed, slots = pack_rollouts(sequences, attention_mask, prompt_len, pad_token_id)
     logits = token_logits_at(model, slots.rows, slots.cols, packed.input_ids, None, packed)
-    if temperature != 1.0:
-        logits = logits / temperature
     width = sequences.shape[1] - prompt_len
     targets = sequences[:, prompt_len:][slots.seq, slots.offset]
-    chunks = [(c.unsqueeze(0), t.unsqueeze(0)) for c, t in zip(logits.split(max(width, 1)),
-                                                                targets.split(max(width, 1)), strict=True)]
-    if entropy:
-        parts = [logprobs_and_entropy(c, t) for c, t in chunks]
-        return tuple(slots.scatter(torch.cat([p[k][0] for p in parts]) if parts else logits.new_zeros(0),
-                                   len(sequences), width) for k in (0, 1))
-    logp = torch.cat([logprobs_from_logits(c, t)[0] for c, t in chunks]) if chunks else logits.new_zeros(0)
-    return slots.scatter(logp, len(sequences), width)
+    out = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature, entropy)
+    return (tuple(slots.scatter(x[0], len(sequences), width) for x in out) if entropy
+            else slots.scatter(out[0], len(sequences), width))
 
 
 class Trainer:
@@ -411,13 +404,14 @@ class Trainer:
 
     def policy_logp(self, model, exp: Experience, entropy: bool = False):
         """The log-probs ``(B, A)`` of ``exp``'s answer tokens under the actor or the reference at the
-        sampling temperature (and their entropy with ``entropy``), padded or packed (``--packing``)."""
+        sampling temperature (and their entropy with ``entropy``), padded or packed (``--packing``):
+        :meth:`policy_logits`' numbers through :func:`chatrl.logprobs.token_logprobs`, which divides
+        a few positions at a time."""
         if self.packed:
             return packed_answer_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, self.pad,
                                       self.temperature, entropy)
-        logits = self.policy_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len)
-        answer = exp.sequences[:, exp.prompt_len:]
-        return logprobs_and_entropy(logits, answer) if entropy else logprobs_from_logits(logits, answer)
+        logits = answer_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len)
+        return token_logprobs(logits, exp.sequences[:, exp.prompt_len:], self.temperature, entropy)
 
     def critic_values(self, exp: Experience) -> torch.Tensor:
         """The critic's values ``(B, A)`` of ``exp``, padded or packed (``--packing``)."""
