@@ -11,6 +11,7 @@ bf16 ``(B, T, V)`` batch is never up-cast to float32 whole, forward or backward.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["IGNORE_INDEX", "float_dtype", "logprobs_from_logits", "token_logprobs", "entropy_from_logits",
            "logprobs_and_entropy"]
@@ -147,6 +148,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, _grad_entropy):
         logits, labels, lse = ctx.saved_tensors
         temperature, dtype = ctx.temperature, grad_logp.dtype
