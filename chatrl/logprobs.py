@@ -85,7 +85,11 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     makes five full-size float32 temporaries (the up-cast, the division, the gather's zeros,
     ``exp(z - lse)`` and the sum of the two gradients) and streams each through memory, where this
     one's temporaries are a chunk each: on CPU about 1 MiB (about 5 positions of a 50k vocabulary),
-    which stays in the core's cache; elsewhere 64 MiB. ``bench/token_logprobs.py`` measures it.
+    which stays in the core's cache; elsewhere 64 MiB. Off CPU, contiguous logits are taken as one
+    row of ``B * T`` positions, so a decoding step's ``(B, 1, V)`` scores are one chunk, not ``B``
+    rounds of small kernels; on CPU chunks stay within a row (a reduction's bits can depend on how
+    many rows it is given when it has several threads, and the row is what the plain formula gives it).
+    ``bench/token_logprobs.py`` measures it. The backward is once-differentiable (no double backward).
 
     Args:
         logits: ``(B, T, V)`` any floating dtype (the work is in float32, float64 for float64).
@@ -98,11 +102,22 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
         ``logp`` ``(B, T)`` in nats, float32 (float64 for float64 logits); with ``entropy``,
         ``(logp, entropy)``, both ``(B, T)``.
 
+    Raises:
+        ValueError: ``temperature`` not > 0, ``logits`` not 3-D. Labels out of range fail in
+        ``gather`` (an index error on CPU, a device assert on CUDA).
+
     Source: log pi(a|s), Schulman et al. 2017, eq. (7); the softmax's gradient
     ``d log softmax(z)_y / d z = onehot(y) - softmax(z)``.
     """
+    if not temperature > 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    if logits.dim() != 3:
+        raise ValueError(f"token_logprobs: logits must be (B, T, V), got shape {tuple(logits.shape)}")
+    shape = labels.shape
+    if logits.device.type != "cpu" and logits.is_contiguous() and labels.is_contiguous():  # fewer kernel launches
+        logits, labels = logits.view(1, -1, logits.shape[-1]), labels.view(1, -1)
     logp, ent = _TokenLogprobs.apply(logits, labels, float(temperature), entropy)
-    return (logp, ent) if entropy else logp
+    return (logp.view(shape), ent.view(shape)) if entropy else logp.view(shape)
 
 
 def _chunk_positions(logits: torch.Tensor, dtype: torch.dtype) -> int:
@@ -163,7 +178,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at every position, in nats, float32.
+    """Entropy of the softmax distribution at every position, in nats.
 
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` per position, one row at a time (a
     float32 copy of one row beside the input). Mask the result with the action mask before averaging.
@@ -172,7 +187,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         logits: ``(B, T, V)`` any floating dtype.
 
     Returns:
-        ``(B, T)`` entropies in ``[0, log V]``.
+        ``(B, T)`` entropies in ``[0, log V]``, float32 (float64 for float64 logits).
 
     Raises:
         ValueError: ``logits`` not 3-D.

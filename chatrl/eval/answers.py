@@ -13,7 +13,7 @@ import torch
 from chatrl.data.examples import left_cut
 from chatrl.data.formatting import encode_prompts
 from chatrl.generation import answer_tokens, generate_answers, inference_engine, left_pad
-from chatrl.logprobs import logprobs_from_logits
+from chatrl.logprobs import token_logprobs
 from chatrl.models import causal_lm_logits, load_causal_lm, stop_token_ids
 
 GREEDY = "greedy"
@@ -73,7 +73,7 @@ def answer_logprob_sums(model, prompts: Sequence[Sequence[int]], generated: torc
     seq = torch.cat([ids.to(device), gen], dim=1)
     logits = causal_lm_logits(model, seq, torch.cat([mask.to(device), answer_mask], dim=1),
                               logits_to_keep=gen.shape[1] + 1)
-    logp = logprobs_from_logits(logits[:, :-1].float() / temperature, gen)
+    logp = token_logprobs(logits[:, :-1], gen, temperature)
     return (logp * answer_mask).sum(dim=1).cpu()
 
 

@@ -406,7 +406,8 @@ class Trainer:
         """The log-probs ``(B, A)`` of ``exp``'s answer tokens under the actor or the reference at the
         sampling temperature (and their entropy with ``entropy``), padded or packed (``--packing``):
         :meth:`policy_logits`' numbers through :func:`chatrl.logprobs.token_logprobs`, which divides
-        a few positions at a time."""
+        a few positions at a time. The answer ids are the model's own samples, so they are not
+        range-checked here (no host sync)."""
         if self.packed:
             return packed_answer_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, self.pad,
                                       self.temperature, entropy)

@@ -63,6 +63,20 @@ def test_chunked_logprobs_equal_autograd_through_the_plain_formula_to_the_bit(dt
     assert torch.equal(logp, plain) and torch.equal(c.grad, a.grad)
     assert torch.equal(entropy, plain_entropy(logits, temperature))
     assert not entropy.requires_grad
+    # contiguous logits (on a GPU taken as one row of B * T positions): the same bits
+    d = logits.detach().contiguous().requires_grad_()
+    logp, entropy = token_logprobs(d, labels, temperature, entropy=True)
+    logp.backward(upstream)
+    assert torch.equal(logp, plain) and torch.equal(d.grad, a.grad)
+    assert torch.equal(entropy, plain_entropy(logits, temperature))
+
+
+def test_a_decoding_step_has_the_plain_numbers():
+    """The sampler's call: ``(B, 1, V)`` scores, one position per row, equal to the plain formula's bits
+    with this process's threads (a reduction given all six rows at once splits differently across threads)."""
+    g = torch.Generator().manual_seed(2)
+    scores, tokens = torch.randn(6, 50272, generator=g) * 3, torch.randint(0, 50272, (6,), generator=g)
+    assert torch.equal(logprobs_from_logits(scores[:, None], tokens[:, None]), plain_logp(scores[:, None], tokens[:, None]))
 
 
 def test_the_gradient_is_the_softmax_closed_form():
@@ -99,6 +113,9 @@ def test_the_public_helpers_are_token_logprobs_at_temperature_one():
     assert empty.shape == (2, 0) and empty.dtype == torch.float32
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\)"):
         logprobs_from_logits(torch.zeros(1, 2, 5), torch.tensor([[0, 5]]))
+    for bad in (0.0, -0.7):
+        with pytest.raises(ValueError, match="temperature must be > 0"):
+            token_logprobs(torch.zeros(1, 2, 5), torch.tensor([[0, 4]]), bad)
 
 
 def test_chunk_size_is_about_a_mebibyte_on_cpu():

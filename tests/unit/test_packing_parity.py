@@ -227,6 +227,30 @@ def test_step3_forwards_and_one_learning_step_packed_equal_padded(family_models,
     close(out[1][5], out[0][5])
 
 
+def test_packed_logprobs_promote_bf16_logits_before_the_temperature(monkeypatch):
+    """The packed path scores bf16 logits as the padded path and the sampler do: float32 first, then
+    divided by the temperature (dividing in bf16 rounds once more, by up to 2^-9 relative, and fails)."""
+    from chatrl.step3_ppo import trainer as trainer_module
+
+    exp, vocab = rollouts(pad_token_id=0), 1000
+    g = torch.Generator().manual_seed(5)
+    seen = {}
+
+    def fake_logits(model, rows, cols, input_ids, attention_mask, packed):
+        seen["logits"] = (torch.randn(len(rows), vocab, generator=g) * 4).to(torch.bfloat16)
+        return seen["logits"]
+
+    monkeypatch.setattr(trainer_module, "token_logits_at", fake_logits)
+    logp = trainer_module.packed_answer_logp(None, exp.sequences, exp.attention_mask, exp.prompt_len, 0, 0.7)
+    targets = exp.sequences[:, exp.prompt_len:][exp.action_mask.bool()]  # answer tokens in row order
+    z = seen["logits"].float() / 0.7
+    expected = z.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(z, -1)
+    assert torch.equal(logp[exp.action_mask.bool()], expected)
+    assert float(logp[~exp.action_mask.bool()].abs().sum()) == 0.0
+    in_bf16 = (seen["logits"] / 0.7).float()
+    assert not torch.equal(in_bf16.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(in_bf16, -1), expected)
+
+
 def tiny_llama_pair(path, tok):
     torch.manual_seed(0)
     return load_causal_lm(path, tok).eval(), load_causal_lm(path, tok).eval()
