@@ -50,7 +50,7 @@ import torch
 from chatrl.config import PackingConfig, PPOConfig
 from chatrl.envs import EnvFactory
 from chatrl.envs.rollout import episode_seed, run_episodes
-from chatrl.logprobs import float_dtype, logprobs_from_logits, token_logprobs
+from chatrl.logprobs import token_logprobs
 from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
 from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
@@ -394,25 +394,25 @@ class Trainer:
                           turn_rewards=ep.turn_rewards, turns=ep.turns, transcripts=ep.messages,
                           **self._stamps(len(rows), device))
 
-    def policy_logits(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                      prompt_len: int) -> torch.Tensor:
-        """The answer logits ``(B, A, V)`` of the actor or the reference, divided by the sampling
-        temperature: the distribution the answers were sampled from (the sampler divides float32
-        logits, so bf16 logits are promoted before the division; at ``T = 1`` they stay as they are)."""
+    def padded_logp(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                    entropy: bool = False):
+        """The log-probs ``(B, A)`` of the answer tokens of padded ``sequences`` ``(B, prompt_len + A)``
+        under the actor or the reference at the sampling temperature (and their entropy ``(B, A)`` with
+        ``entropy``): the distribution the answers were sampled from. The answer logits go through
+        :func:`chatrl.logprobs.token_logprobs`, which promotes bf16 logits to float32 before dividing, as
+        the sampler does (at ``T = 1`` nothing is divided). The answer ids are the model's own samples,
+        so they are not range-checked here (no host sync)."""
         logits = answer_logits(model, sequences, attention_mask, prompt_len)
-        return logits.to(float_dtype(logits)) / self.temperature if self.temperature != 1.0 else logits
+        return token_logprobs(logits, sequences[:, prompt_len:], self.temperature, entropy)
 
     def policy_logp(self, model, exp: Experience, entropy: bool = False):
         """The log-probs ``(B, A)`` of ``exp``'s answer tokens under the actor or the reference at the
-        sampling temperature (and their entropy with ``entropy``), padded or packed (``--packing``):
-        :meth:`policy_logits`' numbers through :func:`chatrl.logprobs.token_logprobs`, which divides
-        a few positions at a time. The answer ids are the model's own samples, so they are not
-        range-checked here (no host sync)."""
+        sampling temperature (and their entropy with ``entropy``), padded (:meth:`padded_logp`) or
+        packed (``--packing``, :func:`packed_answer_logp`)."""
         if self.packed:
             return packed_answer_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, self.pad,
                                       self.temperature, entropy)
-        logits = answer_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len)
-        return token_logprobs(logits, exp.sequences[:, exp.prompt_len:], self.temperature, entropy)
+        return self.padded_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, entropy)
 
     def critic_values(self, exp: Experience) -> torch.Tensor:
         """The critic's values ``(B, A)`` of ``exp``, padded or packed (``--packing``)."""
@@ -568,8 +568,7 @@ class Trainer:
         temperature, the clipped loss over all their action tokens with the aggregation's own count
         (no accumulation, no rank, no DeepSpeed factor)."""
         exp = concat_rollouts(list(parts), self.pad)
-        logp = logprobs_from_logits(self.policy_logits(model, exp.sequences, exp.attention_mask, exp.prompt_len),
-                                    exp.sequences[:, exp.prompt_len:])
+        logp = self.padded_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len)
         norm = step_normalizers(exp.action_mask, len(exp), 1, self.mode, constant=float(self.answer_len))[0]
         in_loss = self.s.kl_in == "loss"
         loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, loss_agg_mode=self.mode,

@@ -151,8 +151,6 @@ def test_temperature_is_in_the_sampled_and_the_trained_distribution():
     empirical frequency of the likeliest token matches it, not the untempered probability."""
     from chatrl.hybrid_engine import GenerationSettings
     from chatrl.hybrid_engine.decode import TPGroup, decode, gather_prompts
-    from chatrl.logprobs import logprobs_from_logits
-
     model = tiny_model()
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # a peaked first-token distribution, far from its tempered one
@@ -167,8 +165,7 @@ def test_temperature_is_in_the_sampled_and_the_trained_distribution():
     tr = trainer(PPOConfig(rl_algorithm="grpo"), model, 1)
     tr.temperature = 0.5
     with torch.no_grad():
-        logits = tr.policy_logits(model, seq[:8], torch.ones_like(seq[:8]), 3)
-        trained = logprobs_from_logits(logits, seq[:8, 3:])
+        trained = tr.padded_logp(model, seq[:8], torch.ones_like(seq[:8]), 3)
         first = torch.softmax(model(ids[:1]).logits[0, -1].float(), -1)
     torch.testing.assert_close(trained, sampler_logp[:8], rtol=0, atol=1e-5)
     top = int(first.argmax())
