@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
     dtype, why = resolve_dtype(args.dtype, torch.device(device).type)
-    model = load_chat_lm(args.path, dtype, device, args.trust_remote_code)
+    model = load_chat_lm(args.path, dtype, device, args.trust_remote_code, tokenizer)
     window = context_window(model.config) or tokenizer.model_max_length
     budget = max(1, window - args.max_new_tokens)  # >= 1 checked above when the config names its window
     if args.seed is not None:

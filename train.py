@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import cli, config, multinode
+from chatrl import cli, config, model_zoo, multinode
 from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
 from chatrl.config import setting, to_argv, uses
@@ -65,12 +65,6 @@ from chatrl.tracking import METRICS_FILE, read_metrics, results_line
 REPO = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CHATRL_SHARED", REPO.parent / "shared"))
 
-SHORT_NAMES = {
-    **{f"opt-{s}": f"facebook/opt-{s}" for s in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b")},
-    "llama2-7b": "meta-llama/Llama-2-7b-hf", "llama2-13b": "meta-llama/Llama-2-13b-hf",
-    "llama2-70b": "meta-llama/Llama-2-70b-hf", "qwen2-0.5b": "Qwen/Qwen2-0.5B", "qwen2-1.5b": "Qwen/Qwen2-1.5B",
-    "qwen2-7b": "Qwen/Qwen2-7B",
-}
 DEFAULT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
                 "yitingxie/rlhf-reward-datasets"]
 STEP_MODULES = {1: "chatrl.step1_sft", 2: "chatrl.step2_reward", 3: "chatrl.step3_ppo"}
@@ -78,10 +72,19 @@ STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF"}
 
 
 def resolve_model(name: str) -> str:
-    """A local folder stays as it is; a short name (``opt-1.3b``) maps to its hub name; others pass through."""
+    """A local folder stays as it is (made absolute); a short name (``opt-1.3b``), a packaged model
+    (``smollm2-135m-instruct``) or a ``.gguf`` file becomes what transformers loads
+    (:func:`chatrl.model_zoo.resolve`); others (hub names) pass through.
+
+    Raises:
+        SystemExit: a packaged model not fetched yet, or a GGUF file that does not convert (one line).
+    """
     if Path(name).is_dir():
         return str(Path(name).resolve())
-    return SHORT_NAMES.get(name.lower(), name)
+    try:
+        return model_zoo.resolve(name)
+    except UsageError as err:
+        raise SystemExit(f"train.py: {err}") from None
 
 
 def size_in_billions(name: str) -> float:

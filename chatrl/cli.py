@@ -11,7 +11,9 @@ import os
 import re
 from pathlib import Path
 
+from chatrl import model_zoo
 from chatrl.checkpoint import COMPLETE
+from chatrl.errors import UsageError
 
 
 def normalize_argv(argv: list[str], known: set[str] | None = None) -> list[str]:
@@ -93,6 +95,28 @@ def resolve_argv(argv: list[str], parser: argparse.ArgumentParser, cwd: str | os
     return out
 
 
+def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every model flag of ``parser`` (path kind ``model``) in ``args`` through
+    :func:`chatrl.model_zoo.resolve`, in place: a short name becomes its hub name, a packaged model's
+    name its converted folder, a ``.gguf`` file the folder converted from it. A value that names an
+    existing local folder stays as it is.
+
+    Raises:
+        SystemExit: (through ``parser.error``) a packaged model not fetched yet, or a GGUF file that
+            does not convert: one line naming the flag and what to do.
+    """
+    for dest, kind in getattr(parser, "path_kinds", {}).items():
+        value = getattr(args, dest, None)
+        if kind != "model" or value is None:
+            continue
+        try:
+            names = [v if os.path.isdir(v) else model_zoo.resolve(v) for v in (value if isinstance(value, list)
+                                                                              else [value])]
+        except UsageError as err:
+            parser.error(f"--{dest}: {err}")
+        setattr(args, dest, names if isinstance(value, list) else names[0])
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` (default ``sys.argv[1:]``) after :func:`normalize_argv`.
 
@@ -102,6 +126,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     import sys
 
     args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    resolve_models(parser, args)
     for flag in DATA_FLAGS:
         for entry in getattr(args, flag, None) or []:
             path = entry.split("[", 1)[0] if entry.endswith("]") else entry

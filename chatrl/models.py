@@ -173,7 +173,7 @@ def fit_embeddings(model, tokenizer) -> None:
         gen.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
-def load_chat_lm(path: str, dtype: str, device, trust_remote_code: bool = False):
+def load_chat_lm(path: str, dtype: str, device, trust_remote_code: bool = False, tokenizer=None):
     """A saved causal LM for generation, as the chats load it: weights in ``dtype``, the attention the
     trainer used on ``device``'s type (:func:`chatrl.precision.attention_kwargs`: fp32 on CPU for bf16),
     moved to ``device``, in eval mode.
@@ -181,15 +181,22 @@ def load_chat_lm(path: str, dtype: str, device, trust_remote_code: bool = False)
     Args:
         path: HF folder or hub name. dtype: ``fp32`` | ``bf16`` | ``fp16`` (resolved, not ``auto``).
         device: a torch device or its name (``"cpu"``, ``"cuda:0"``). trust_remote_code: passed to transformers.
+        tokenizer: the :func:`load_tokenizer` tokenizer it will be fed by: the embeddings are fitted to it
+            (:func:`fit_embeddings`), so the pad token it adds to a model whose pad is its EOS (SmolLM2,
+            Qwen2, Llama: the id one past the vocabulary) embeds in a padded batch instead of indexing
+            out of range.
 
     Raises:
         OSError: ``path`` holds no loadable model (from transformers).
     """
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, trust_remote_code=trust_remote_code, dtype=torch_dtype(dtype),
-        **attention_kwargs(dtype, torch.device(device).type)).to(device).eval()
+        **attention_kwargs(dtype, torch.device(device).type))
+    if tokenizer is not None:
+        fit_embeddings(model, tokenizer)
+    return model.to(device).eval()
 
 
 def load_causal_lm(

@@ -67,7 +67,7 @@ class ChatModel:
         self.path, self.name = path, _short_name(path)
         self.role = model_role(path) or role
         self.tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
-        self.model = load_chat_lm(path, dtype, device, trust_remote_code)
+        self.model = load_chat_lm(path, dtype, device, trust_remote_code, self.tokenizer)
         self.device = device
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)  # the stop set of every chatrl generation
         self.context = getattr(self.model.config, "max_position_embeddings", None) or self.tokenizer.model_max_length

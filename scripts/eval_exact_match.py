@@ -27,11 +27,12 @@ def evaluate(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_si
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.formatting import encode_prompt
-    from chatrl.models import load_tokenizer, stop_token_ids, torch_dtype
+    from chatrl.models import fit_embeddings, load_tokenizer, stop_token_ids, torch_dtype
     from chatrl.rewards.builtin import exact_match
 
     tok = load_tokenizer(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype) if dtype else "auto").eval()
+    fit_embeddings(model, tok)  # the pad id load_tokenizer adds where pad == EOS lies past the vocabulary
     hits = 0.0
     for i in range(0, len(rows), batch_size):
         part = rows[i:i + batch_size]
@@ -56,10 +57,11 @@ def evaluate_episodes(model_dir: str, rows: list[dict], env: str = "calculator",
 
     from chatrl.envs import load_environment
     from chatrl.envs.rollout import run_episodes
-    from chatrl.models import load_tokenizer, stop_token_ids
+    from chatrl.models import fit_embeddings, load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    fit_embeddings(model, tok)
     stops = stop_token_ids(tok)
 
     def generate(ids, mask):
