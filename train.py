@@ -196,18 +196,62 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
     return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
 
 
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+def smollm2_plan(output: Path) -> tuple[str, str, Presets]:
+    """The real-model run on this machine (``--preset smollm2``): SmolLM2-135M-Instruct, fetched and
+    converted by ``python -m chatrl.model_zoo smollm2-135m-instruct``, as actor, reward-model and
+    gold-judge backbone; real hh-rlhf helpfulness pairs from ../shared (helpful-base and
+    helpful-online, 3,491 pairs, ``--data_split 2,4,4``: step 1 and the gold judge see the first share,
+    step 2 the second, step 3's prompts and the evaluation the third); 2 CPU ranks at ZeRO-0 (a 135M
+    model fits every rank; ZeRO-0 is the fastest stage on 2 CPU ranks), the hybrid engine for
+    generation, every step's dtype ``auto`` (bf16 on a CPU with AVX512-BF16, else fp32).
+
+    The model is already a chat model: step 1 fine-tunes it gently (learning rate 1e-5, 32 steps of 16
+    conversations) on the chosen answers, so it keeps ending its turns; each step is capped in steps so
+    that the whole preset, evaluation included, fits in about an hour on 2 CPU cores
+    (``docs/real_model.md`` has the figures)."""
+    pairs = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "helpful-online")]
+    common = {"data_path": pairs, "data_split": "2,4,4", "data_output_path": output / "data_cache", "zero_stage": 0}
+    step1 = {**common, "max_seq_len": 320, "per_device_train_batch_size": 8, "learning_rate": "1e-5",
+             "num_warmup_steps": 0.1, "num_train_epochs": 1, "max_steps": 32, "eval_interval": 16,
+             "eval_eos_samples": 32, "save_interval": 16}
+    step2 = {**common, "max_seq_len": 320, "per_device_train_batch_size": 8, "learning_rate": "2e-5",
+             "num_warmup_steps": 0.1, "num_train_epochs": 1, "max_steps": 32, "eval_interval": 16,
+             "save_interval": 16}
+    step3 = {"data_path": pairs, "data_split": "2,4,4", "data_output_path": output / "data_cache",
+             "actor_zero_stage": 0, "critic_zero_stage": 0, "enable_hybrid_engine": True,
+             "max_prompt_seq_len": 192, "max_answer_seq_len": 64, "per_device_generation_batch_size": 4,
+             "per_device_training_batch_size": 4, "actor_learning_rate": "2e-6", "critic_learning_rate": "1e-5",
+             "num_warmup_steps": 0.1, "max_steps": 30, "init_kl_coef": 0.05, "print_answers": True,
+             "save_interval": 10, "save_hf_interval": 10, "save_rollouts": 10}
+    return REAL_MODEL, REAL_MODEL, {1: step1, 2: step2, 3: step3, "dpo": {"learning_rate": "1e-6", "max_steps": 32}}
+
+
+PRESET_PLANS = {"demo": demo_plan, "smollm2": smollm2_plan}
+PRESETS = {"demo": "the offline end-to-end run on this machine: stories260K, real data, 2 CPU ranks",
+           "smollm2": "the real chat model SmolLM2-135M-Instruct on real data, 2 CPU ranks, about an hour "
+                      "(python -m chatrl.model_zoo smollm2-135m-instruct first; docs/real_model.md)"}
+
 # The demo's evaluation (python -m chatrl.eval flags beside those eval_flags derives from the runs): step 3's
 # 93 held-out prompts, a greedy and a sampled answer per model (5 models: step 1, three snapshots, the final
 # actor; 34 s of one core), larger batches for the tiny models.
 DEMO_EVAL = {"seeds": [1], "per_device_generation_batch_size": 32, "judge_batch_size": 32}
+# The real-model run's: step 3's held-out prompts, a greedy and a sampled answer per model (step 1, the snapshots,
+# the final actor), judged by step 2's reward model and the gold judge trained on step 1's share of the pairs.
+SMOLLM2_EVAL = {"seeds": [1], "per_device_generation_batch_size": 16, "judge_batch_size": 16}
+PRESET_EVAL = {"demo": DEMO_EVAL, "smollm2": SMOLLM2_EVAL}
+PRESET_GOLD = {"smollm2": REAL_MODEL}
+"""The gold judge's backbone a preset trains when ``--gold-reward-model`` is not given."""
 
 
 @dataclass
 class PipelineConfig:
     """train.py: which models and steps, where, and how launched."""
 
-    preset: str | None = setting(None, "demo: the offline end-to-end run on this machine (2 CPU ranks)",
-                                 choices=("demo",), type=str)
+    preset: str | None = setting(None, "; ".join(f"{k}: {v}" for k, v in PRESETS.items()),
+                                 choices=tuple(PRESETS), type=str)
     actor_model: str | None = setting(None, "hub name, short name (opt-1.3b, opt-13b, llama2-7b) or local folder",
                                       type=str, path="model")
     reward_model: str | None = setting(None, "as --actor-model; the reward model's and critic's backbone", type=str,
@@ -532,6 +576,15 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
                                  "(set CHATRL_SHARED to the shared/ folder)")
         actor, reward, presets = demo_plan(out)
         deployment = "cpu"
+    if a.preset == "smollm2":
+        for needed in (SHARED / "data" / "hh-rlhf",):
+            if not needed.exists():
+                raise SystemExit(f"the smollm2 preset reads its data from {SHARED}; {needed} is missing "
+                                 "(set CHATRL_SHARED to the shared/ folder)")
+        name, _, presets = smollm2_plan(out)
+        actor = reward = resolve_model(name)
+        deployment = "cpu"
+    if a.preset:
         for s, stages in {1: {"zero_stage": a.actor_zero_stage}, 2: {"zero_stage": a.reward_zero_stage},
                           3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}}.items():
             presets[s].update({k: v for k, v in stages.items() if v is not None})  # explicit stages win
@@ -662,6 +715,11 @@ def _marker_args(folder: Path) -> dict:
         return {}
 
 
+def gold_backbone(s: PipelineSettings) -> str | None:
+    """The gold judge's backbone: ``--gold-reward-model``, else the preset's (:data:`PRESET_GOLD`), else None."""
+    return s.evaluation.gold_reward_model or PRESET_GOLD.get(s.pipeline.preset)
+
+
 def gold_reward_run(pipe: Pipeline, cwd: str | os.PathLike | None = None) -> StepRun:
     """The gold reward model's run (``--gold-reward-model``): step 2's program with step 2's presets for
     the gold backbone and ``--step2-args`` (with the reward-model method), into ``OUTPUT/step2_gold_reward``,
@@ -673,9 +731,9 @@ def gold_reward_run(pipe: Pipeline, cwd: str | os.PathLike | None = None) -> Ste
     """
     s = pipe.settings
     a = s.pipeline
-    gold = resolve_model(s.evaluation.gold_reward_model)
-    if a.preset == "demo":
-        presets = demo_plan(pipe.out)[2][2]
+    gold = resolve_model(gold_backbone(s))
+    if a.preset:
+        presets = dict(PRESET_PLANS[a.preset](pipe.out)[2][2])
     else:
         size = size_in_billions(gold)
         presets = {"data_path": a.data_path or DEFAULT_DATA,
@@ -720,7 +778,7 @@ def eval_flags(pipe: Pipeline, gold: Path | None) -> dict:
             "max_answer_seq_len": answer, "max_prompt_seq_len": prompt,
             "judge_max_seq_len": step2.get("max_seq_len"), "dtype": run.get("dtype"),
             "output_dir": str(out / "eval"), "disable_progress_bar": True,
-            **(DEMO_EVAL if s.pipeline.preset == "demo" else {})}
+            **PRESET_EVAL.get(s.pipeline.preset, {})}
 
 
 def evaluate_pipeline(pipe: Pipeline) -> None:
@@ -740,7 +798,7 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
             or not (dirs[1] / "config.json").exists():
         return
     gold = None
-    if s.evaluation.gold_reward_model:
+    if gold_backbone(s):
         r = gold_reward_run(pipe)
         gold = r.out_dir
         if not r.finished:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from chatrl.errors import UsageError
+
 #: ``config.model_type`` values the engine serves, mapped to the dotted path of the decoder layers
 #: (a ``ModuleList``) inside the causal-LM model.
 SUPPORTED_FAMILIES: dict[str, str] = {
@@ -74,15 +76,52 @@ def _layer_styles(model) -> dict[str, str]:
     return styles
 
 
-def check_tp_size(model, tp_size: int) -> None:
-    """Raise ``ValueError`` unless every sharded dimension of ``model`` divides by ``tp_size``."""
-    cfg = model.config
+def _sharded_sizes(cfg) -> dict[str, int]:
+    """The dimensions the tensor-parallel plan splits: query heads, key/value heads, FFN width."""
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     ffn = getattr(cfg, "ffn_dim", None) or getattr(cfg, "intermediate_size", None)
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("ffn", ffn)):
-        if value is not None and value % tp_size:
-            raise ValueError(f"--inference_tp_size {tp_size} does not divide {name}={value}")
+    return {k: v for k, v in (("query heads", heads), ("key/value heads", kv_heads), ("FFN width", ffn))
+            if v is not None}
+
+
+def tp_sizes_that_work(cfg, largest: int = 64) -> list[int]:
+    """TP sizes up to ``largest`` that split every sharded dimension of a model config evenly (each
+    rank then holds whole heads: a grouped-query model with 9 query and 3 key/value heads takes 1 or 3)."""
+    sizes = _sharded_sizes(cfg)
+    return [t for t in range(1, largest + 1) if all(v % t == 0 for v in sizes.values())]
+
+
+def tp_size_problem(cfg, tp_size: int) -> str | None:
+    """Why ``--inference_tp_size tp_size`` cannot shard a model of config ``cfg`` (one line naming the
+    dimensions it does not divide and the sizes that work), or None when it can."""
+    bad = [f"{v} {k}" for k, v in _sharded_sizes(cfg).items() if v % tp_size]
+    if not bad:
+        return None
+    return (f"--inference_tp_size {tp_size} does not divide the model's {' and '.join(bad)} (each rank of a "
+            f"tensor-parallel group holds whole heads); TP sizes that work: "
+            f"{', '.join(map(str, tp_sizes_that_work(cfg)))}")
+
+
+def check_inference_tp(path: str, tp_size: int, trust_remote_code: bool = False) -> None:
+    """Check ``--inference_tp_size`` against the actor's config at ``path`` before any model loads.
+
+    Raises:
+        UsageError: :func:`tp_size_problem`'s line, naming the model.
+    """
+    from transformers import AutoConfig
+
+    problem = tp_size_problem(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), tp_size)
+    if problem:
+        raise UsageError(f"{problem} ({path})")
+
+
+def check_tp_size(model, tp_size: int) -> None:
+    """Raise ``ValueError`` (:func:`tp_size_problem`'s line) unless every sharded dimension of ``model``
+    divides by ``tp_size``."""
+    problem = tp_size_problem(model.config, tp_size)
+    if problem:
+        raise ValueError(problem)
 
 
 def tp_plan(model, tp_size: int) -> dict:

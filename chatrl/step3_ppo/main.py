@@ -32,6 +32,7 @@ from chatrl.data import PromptCollator, SFTCollator, phase_data
 from chatrl.data.template_check import DEFAULT_CONVERSATIONS, check_startup, startup_conversations
 from chatrl.envs import load_environment
 from chatrl.hybrid_engine import HybridEngine
+from chatrl.hybrid_engine.tp_plan import check_inference_tp
 from chatrl.models import (
     check_context_window,
     check_packing,
@@ -187,6 +188,8 @@ def build(args, score_fn=None) -> Step3Run:
                          s.actor.trust_remote_code)
     check_packing(s.packing, [s.actor.model_name_or_path, critic_source and critic_source[0], reward_path],
                   s.actor.trust_remote_code)
+    if s.hybrid.enable_hybrid_engine and s.hybrid.inference_tp_size > 1:  # before any rank loads a model
+        check_inference_tp(s.actor.model_name_or_path, s.hybrid.inference_tp_size, s.actor.trust_remote_code)
     adapted = s.fit_loss_aggregation_to_token_budget()
     make_env = load_environment(s.env.env, s.env.env_args) if s.env.env else None
     seed = s.actor_optim.seed
