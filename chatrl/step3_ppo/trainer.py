@@ -574,7 +574,8 @@ class Trainer:
         loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, loss_agg_mode=self.mode,
                               cliprange_low=self.clip_low, cliprange_high=self.clip_high, is_weights=exp.is_weights,
                               ref_logp=exp.ref_logp if in_loss else None,
-                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
+                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0,
+                              kl_loss_kind=self.s.kl_loss_estimator)
         return loss
 
     def one_batch_critic_loss(self, model, parts: list[Experience]) -> torch.Tensor:
@@ -613,7 +614,8 @@ class Trainer:
         loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer,
                                   loss_agg_mode=self.mode, cliprange_low=self.clip_low, cliprange_high=self.clip_high,
                                   is_weights=exp.is_weights, ref_logp=exp.ref_logp if in_loss else None,
-                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0, token_stats=token_stats)
+                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0,
+                                  kl_loss_kind=self.s.kl_loss_estimator, token_stats=token_stats)
         self.actor.backward(loss * scale)
         self._step_engine(self.actor, "actor_grad_norm")
         self._after_actor_step()
