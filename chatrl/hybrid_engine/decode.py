@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from chatrl.logprobs import logprobs_from_logits
+from chatrl.logprobs import logprobs_from_logits, sampling_filter
 from chatrl.precision import computes_in_fp32
 
 
@@ -103,17 +103,7 @@ def process_logits(logits: torch.Tensor, s: GenerationSettings, step: int) -> to
         return scores
     if s.temperature != 1.0:
         scores = scores / s.temperature
-    if s.top_k > 0:
-        k = min(s.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if s.top_p < 1.0:
-        ordered, order = torch.sort(scores, dim=-1)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1.0 - s.top_p
-        drop[:, -1] = False
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    return scores
+    return sampling_filter(scores, s.top_k, s.top_p)
 
 
 def pick_tokens(scores: torch.Tensor, s: GenerationSettings, generator: torch.Generator | None = None) -> torch.Tensor:
