@@ -15,6 +15,7 @@ argmax, sampling draws with ``torch.multinomial``) and adds what the layout need
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,18 @@ def make_cache(config, capacity: int) -> Cache:
     if window is not None and getattr(config, "use_sliding_window", True) and capacity > window:
         return DynamicCache(config=config)
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
+
+
+def cache_keyword(body: torch.nn.Module) -> str:
+    """The keyword by which ``body`` (an HF model's decoder stack, ``model.model``) takes its KV cache.
+
+    transformers 5 (5.24 here) renamed ``past_key_values`` to ``cache`` in the models' ``forward``
+    (the old name still works with a ``FutureWarning`` until its removal in 5.40, after which it
+    would fall into ``**kwargs`` and be ignored: no cache, wrong tokens); earlier 5.x releases and
+    remote-code models take ``past_key_values``. Read from the signature, so every release of the
+    supported range gets the name it reads.
+    """
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
 def process_logits(logits: torch.Tensor, s: GenerationSettings, step: int) -> torch.Tensor:
@@ -243,9 +256,10 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
     finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
     body_in = dict(input_ids=ids, position_ids=position)
     weight = head_weight(model.lm_head)
+    cached = {cache_keyword(model.model): cache}
     for step in range(s.max_new_tokens):
-        hidden = model.model(attention_mask=full_mask[:, :width + step], past_key_values=cache,
-                             use_cache=True, **body_in).last_hidden_state[:, -1]
+        hidden = model.model(attention_mask=full_mask[:, :width + step], use_cache=True, **cached,
+                             **body_in).last_hidden_state[:, -1]
         logits = _own_logits(project_head(model.lm_head, hidden, weight), batch, group)
         if keep_logits:
             kept.append(logits)
