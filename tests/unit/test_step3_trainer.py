@@ -13,7 +13,7 @@ import torch
 from chatrl.config import PPOConfig
 from chatrl.reward_model import RewardModel
 from chatrl.rl.stats import PooledStats
-from chatrl.step3_ppo.trainer import Experience, Trainer
+from chatrl.step3_ppo.trainer import Experience, Trainer, packed_answer_logp
 
 
 class FakeEngine(torch.nn.Module):
@@ -266,6 +266,9 @@ def test_top_p_and_top_k_are_in_the_sampled_and_the_trained_distribution(top_k, 
         full = torch.softmax(model(ids[:1]).logits[0, -1].float(), -1)
     diff = (trained - sampler_logp[rows]).abs().max().item()
     assert diff < 1e-5, diff
+    packed = packed_answer_logp(model, seq[rows], torch.ones_like(seq[rows]), len(prompt), tok.pad_token_id,
+                                top_k=top_k, top_p=top_p)  # --packing scores the same distribution
+    torch.testing.assert_close(packed, trained, rtol=0, atol=1e-5)
     # the actor as its own reference: the same filter on the same logits, KL exactly 0
     action = torch.ones_like(trained)
     assert core.masked_kl(trained, tr.padded_logp(model, seq[rows], torch.ones_like(seq[rows]), len(prompt)),
