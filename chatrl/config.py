@@ -44,7 +44,13 @@ from typing import Any
 from chatrl import precision
 from chatrl.errors import UsageError
 from chatrl.rl import algorithms
-from chatrl.rl.loss import KL_PLACEMENTS, LOSS_AGG_MODES, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
+from chatrl.rl.loss import (
+    KL_LOSS_ESTIMATORS,
+    KL_PLACEMENTS,
+    LOSS_AGG_MODES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+)
 
 REQUIRED: Any = object()
 """Default of a flag that must be given."""
@@ -301,8 +307,12 @@ class PPOConfig:
                                                        "algorithm's default: 4 for grpo and rloo, else 1)",
                                                  unit="answers", type=int)
     kl_in: str = setting("reward", "where the KL to the reference goes, with coefficient --init_kl_coef: reward "
-                                   "(a per-token penalty, --kl_estimator) or loss (a k3 loss term)",
+                                   "(a per-token penalty, --kl_estimator) or loss (a loss term, --kl_loss_estimator)",
                          choices=KL_PLACEMENTS)
+    kl_loss_estimator: str = setting(
+        "k3+", "with --kl_in loss, the KL loss term: k3+ (k3's value, an unbiased KL, with k2's gradient), k2 "
+               "(0.5 (log pi - log pi_ref)^2); both pull by grad KL(pi||pi_ref) on average; or k3 as written "
+               "(GRPO's; its gradient is that of KL(pi_ref||pi)); docs/critic_free.md", choices=KL_LOSS_ESTIMATORS)
     loss_agg_mode: str | None = setting(None, "how the policy loss is averaged over the optimizer step: "
                                               "micro-batch-token-mean (each micro-batch's token mean, DeepSpeed-Chat's) "
                                               "or a global count, invariant to micro-batches and ranks (unset: the "

@@ -14,7 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 __all__ = ["IGNORE_INDEX", "float_dtype", "logprobs_from_logits", "token_logprobs", "entropy_from_logits",
-           "logprobs_and_entropy"]
+           "logprobs_and_entropy", "sampling_filter"]
 
 #: A label that carries no loss (PyTorch's ``cross_entropy`` default): prompt tokens, padding.
 IGNORE_INDEX = -100
@@ -70,10 +70,51 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return token_logprobs(logits, labels)
 
 
+def sampling_filter(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """``scores`` with the tokens that top-k and then top-p (nucleus) sampling drop set to ``-inf``.
+
+    Hugging Face ``generate``'s warpers, in their order and with their ties: top-k keeps every
+    token whose score is at least the k-th largest; top-p sorts the (top-k filtered) scores in
+    ascending order and drops the tokens whose cumulative softmax mass is ``<= 1 - top_p``, always
+    keeping the likeliest. The sampler (:func:`chatrl.hybrid_engine.decode.process_logits`) and the
+    trainer (:func:`token_logprobs`) both call this, so they filter alike.
+
+    Args:
+        scores: ``(..., V)`` float scores (logits already divided by the temperature).
+        top_k: ``>= 0``; 0 disables it. top_p: in ``(0, 1]``; 1 disables it.
+
+    Returns:
+        ``scores`` itself when both filters are off, else a new tensor of its shape and dtype.
+
+    Source: Fan et al. 2018 (top-k sampling); Holtzman et al. 2020 (nucleus sampling).
+    """
+    if top_k > 0:
+        k = min(top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(scores, dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1.0 - top_p
+        drop[..., -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return scores
+
+
+def _filtered(z: torch.Tensor, labels: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """:func:`sampling_filter` of ``z`` ``(T, V)`` with each position's label kept (its own score)."""
+    if top_k <= 0 and top_p >= 1.0:
+        return z
+    index = labels.unsqueeze(-1)
+    return sampling_filter(z, top_k, top_p).scatter(-1, index, z.gather(-1, index))
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                   entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   entropy: bool = False, top_k: int = 0, top_p: float = 1.0
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``labels`` under ``softmax(logits / temperature)`` (and, with ``entropy``,
-    each position's entropy), a few positions at a time, with a backward of its own.
+    each position's entropy), a few positions at a time, with a backward of its own; with ``top_k``
+    or ``top_p``, under the distribution those filters leave (the one a sampler with them draws from).
 
     Per chunk of positions: ``z = logits.to(float32) / temperature`` (no division at 1),
     ``logp = z[label] - logsumexp(z)``, ``H = logsumexp(z) - sum_v softmax(z)_v z_v``. The backward
@@ -91,12 +132,20 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     many rows it is given when it has several threads, and the row is what the plain formula gives it).
     ``bench/token_logprobs.py`` measures it. The backward is once-differentiable (no double backward).
 
+    With a filter, the softmax is taken over the tokens :func:`sampling_filter` keeps at each
+    position plus that position's label (so the log-prob is finite even where the label fell outside,
+    after the weights moved): ``logp = z[label] - logsumexp(z over kept)``, its gradient
+    ``onehot(label) - softmax over kept`` (0 on the dropped tokens; the kept set is piecewise constant
+    in the logits), and the entropy that of the filtered distribution. On the logits a sampler drew
+    from, the label is always kept and this is exactly the sampler's distribution.
+
     Args:
         logits: ``(B, T, V)`` any floating dtype (the work is in float32, float64 for float64).
         labels: ``(B, T)`` integer ids in ``[0, V)`` (not checked here; :func:`logprobs_from_logits`
             checks them).
         temperature: > 0; the sampler's (step 3 scores its rollouts at it).
         entropy: also return the entropy; it is not differentiable (logged, not optimised).
+        top_k, top_p: the sampler's filters (0 and 1: off), applied after the temperature.
 
     Returns:
         ``logp`` ``(B, T)`` in nats, float32 (float64 for float64 logits); with ``entropy``,
@@ -116,7 +165,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     shape = labels.shape
     if logits.device.type != "cpu" and logits.is_contiguous() and labels.is_contiguous():  # fewer kernel launches
         logits, labels = logits.view(1, -1, logits.shape[-1]), labels.view(1, -1)
-    logp, ent = _TokenLogprobs.apply(logits, labels, float(temperature), entropy)
+    logp, ent = _TokenLogprobs.apply(logits, labels, float(temperature), entropy, int(top_k), float(top_p))
     return (logp.view(shape), ent.view(shape)) if entropy else logp.view(shape)
 
 
@@ -143,20 +192,21 @@ class _TokenLogprobs(torch.autograd.Function):
     """:func:`token_logprobs`' forward and closed-form backward."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature: float, entropy: bool):
+    def forward(ctx, logits, labels, temperature: float, entropy: bool, top_k: int, top_p: float):
         dtype = float_dtype(logits)
         logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if entropy else None
         for b, t in _chunks(logits, dtype):
             z = _scaled(logits[b, t], dtype, temperature)
-            lse[b, t] = torch.logsumexp(z, dim=-1)
+            kept = _filtered(z, labels[b, t], top_k, top_p)
+            lse[b, t] = torch.logsumexp(kept, dim=-1)
             logp[b, t] = z.gather(-1, labels[b, t].unsqueeze(-1)).squeeze(-1) - lse[b, t]
             if entropy:
-                probs = (z - lse[b, t].unsqueeze(-1)).exp_()
+                probs = (kept - lse[b, t].unsqueeze(-1)).exp_()  # 0 on dropped tokens, whose z is finite
                 ent[b, t] = lse[b, t] - torch.linalg.vecdot(probs, z)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.top_k, ctx.top_p = temperature, top_k, top_p
         if ent is None:
             ent = logp.new_zeros(())
         ctx.mark_non_differentiable(ent)
@@ -170,11 +220,11 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for b, t in _chunks(logits, dtype):
             g = grad_logp[b, t].unsqueeze(-1)
-            z = _scaled(logits[b, t], dtype, temperature)
+            z = _filtered(_scaled(logits[b, t], dtype, temperature), labels[b, t], ctx.top_k, ctx.top_p)
             gz = (z - lse[b, t].unsqueeze(-1)).exp_().mul_(-g)  # the logsumexp's share: -g softmax(z)
             gz.scatter_add_(-1, labels[b, t].unsqueeze(-1), g)  # the label's: + g
             grad[b, t] = gz.div_(temperature) if temperature != 1.0 else gz
-        return grad, None, None, None
+        return grad, None, None, None, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

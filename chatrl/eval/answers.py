@@ -55,15 +55,17 @@ def encode_eval_prompts(tokenizer, conversations: Sequence[Sequence[dict]], max_
 
 @torch.no_grad()
 def answer_logprob_sums(model, prompts: Sequence[Sequence[int]], generated: torch.Tensor, lengths: Sequence[int],
-                        pad_token_id: int, temperature: float = 1.0) -> torch.Tensor:
+                        pad_token_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+                        ) -> torch.Tensor:
     """``(B,)`` summed log-probabilities (nats) of each row's first ``lengths[i]`` generated tokens given
-    its prompt, under ``model`` at ``temperature`` (the softmax of logits / T): one forward pass of
+    its prompt, under ``model`` at ``temperature`` (the softmax of logits / T) and with the sampler's
+    top-k / top-p filters on its own logits (:func:`chatrl.logprobs.token_logprobs`): one forward pass of
     prompt + answer, position ids from the mask, the LM head on the answer positions only.
 
     Args:
         prompts: ``B`` prompt id lists. generated: ``(B, A)`` tokens after the prompts. lengths: the
             answer tokens of each row (through its stop token). pad_token_id: the padding of the batch.
-        temperature: > 0 (1: the raw logits).
+        temperature: > 0 (1: the raw logits). top_k, top_p: 0 and 1: off.
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
@@ -73,7 +75,7 @@ def answer_logprob_sums(model, prompts: Sequence[Sequence[int]], generated: torc
     seq = torch.cat([ids.to(device), gen], dim=1)
     logits = causal_lm_logits(model, seq, torch.cat([mask.to(device), answer_mask], dim=1),
                               logits_to_keep=gen.shape[1] + 1)
-    logp = token_logprobs(logits[:, :-1], gen, temperature)
+    logp = token_logprobs(logits[:, :-1], gen, temperature, top_k=top_k, top_p=top_p)
     return (logp * answer_mask).sum(dim=1).cpu()
 
 
@@ -108,8 +110,8 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     KL(π‖π_ref) per answer (Schulman 2020, "Approximating KL divergence"), as step 3 logs it; for
     greedy answers the same log-ratio, not an unbiased KL estimate. As in step 3's rollouts, log π is
     the sampler's own log-prob of each token under the distribution it drew from (temperature,
-    top-k, top-p; greedy: the raw logits) and log π_ref the reference's at the same temperature
-    (:func:`answer_logprob_sums`); for the reference itself the figure is the sampler/forward gap
+    top-k, top-p; greedy: the raw logits) and log π_ref the reference's at the same temperature and
+    with the same filters on its own logits (:func:`answer_logprob_sums`); for the reference itself the figure is the sampler/forward gap
     (about 1e-6 nats per token), not an exact 0.
 
     Args:
@@ -128,10 +130,11 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     out: dict[str, list[Answer]] = {}
     for name in names:
         if name == GREEDY:
-            how, temperature = {"do_sample": False}, 1.0
+            how, temperature, filters = {"do_sample": False}, 1.0, {}
         else:
             torch.manual_seed(int(name[len("seed"):]))
             how, temperature = sampling, float(sampling.get("temperature", 1.0))
+            filters = {"top_k": int(sampling.get("top_k", 0)), "top_p": float(sampling.get("top_p", 1.0))}
         answers: list[Answer | None] = [None] * len(prompt_ids)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
@@ -143,7 +146,7 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
                 lengths = torch.tensor([len(ids) for ids, _ in cut])
                 mine = (logp.cpu() * (torch.arange(gen.shape[1])[None, :] < lengths[:, None])).sum(dim=1)
                 kl = (mine - answer_logprob_sums(reference.model, batch, gen, lengths.tolist(), tokenizer.pad_token_id,
-                                                 temperature)).tolist()
+                                                 temperature, **filters)).tolist()
             for j, (i, (ids, ended)) in enumerate(zip(rows, cut, strict=True)):
                 text = tokenizer.decode(ids, skip_special_tokens=True).strip()
                 answers[i] = Answer(text, len(ids), ended, None if kl is None else float(kl[j]))

@@ -15,13 +15,14 @@ argmax, sampling draws with ``torch.multinomial``) and adds what the layout need
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from chatrl.logprobs import logprobs_from_logits
+from chatrl.logprobs import logprobs_from_logits, sampling_filter
 from chatrl.precision import computes_in_fp32
 
 
@@ -89,6 +90,18 @@ def make_cache(config, capacity: int) -> Cache:
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
 
 
+def cache_keyword(body: torch.nn.Module) -> str:
+    """The keyword by which ``body`` (an HF model's decoder stack, ``model.model``) takes its KV cache.
+
+    transformers 5 (5.24 here) renamed ``past_key_values`` to ``cache`` in the models' ``forward``
+    (the old name still works with a ``FutureWarning`` until its removal in 5.40, after which it
+    would fall into ``**kwargs`` and be ignored: no cache, wrong tokens); earlier 5.x releases and
+    remote-code models take ``past_key_values``. Read from the signature, so every release of the
+    supported range gets the name it reads.
+    """
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+
 def process_logits(logits: torch.Tensor, s: GenerationSettings, step: int) -> torch.Tensor:
     """Scores after HF's processors: EOS masked before ``min_new_tokens``, then the sampling warpers.
 
@@ -103,17 +116,7 @@ def process_logits(logits: torch.Tensor, s: GenerationSettings, step: int) -> to
         return scores
     if s.temperature != 1.0:
         scores = scores / s.temperature
-    if s.top_k > 0:
-        k = min(s.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if s.top_p < 1.0:
-        ordered, order = torch.sort(scores, dim=-1)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1.0 - s.top_p
-        drop[:, -1] = False
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    return scores
+    return sampling_filter(scores, s.top_k, s.top_p)
 
 
 def pick_tokens(scores: torch.Tensor, s: GenerationSettings, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -253,9 +256,10 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
     finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
     body_in = dict(input_ids=ids, position_ids=position)
     weight = head_weight(model.lm_head)
+    cached = {cache_keyword(model.model): cache}
     for step in range(s.max_new_tokens):
-        hidden = model.model(attention_mask=full_mask[:, :width + step], past_key_values=cache,
-                             use_cache=True, **body_in).last_hidden_state[:, -1]
+        hidden = model.model(attention_mask=full_mask[:, :width + step], use_cache=True, **cached,
+                             **body_in).last_hidden_state[:, -1]
         logits = _own_logits(project_head(model.lm_head, hidden, weight), batch, group)
         if keep_logits:
             kept.append(logits)

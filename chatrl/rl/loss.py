@@ -41,6 +41,8 @@ LOSS_AGG_MODES = ("micro-batch-token-mean", *GLOBAL_LOSS_AGG_MODES)
 
 #: Where the KL to the reference goes: a per-token penalty in the reward, or a term of the loss.
 KL_PLACEMENTS = ("reward", "loss")
+#: Estimators of the KL loss term (``--kl_loss_estimator``, :func:`kl_loss_term`); the first is the default.
+KL_LOSS_ESTIMATORS = ("k3+", "k2", "k3")
 
 #: Importance ratio of the sampler/trainer correction: per token, per answer (the product of its
 #: tokens' ratios), or per answer as the geometric mean of its tokens' ratios (:func:`rollout_is_weights`).
@@ -157,6 +159,52 @@ def rollout_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, actio
         return torch.where(valid, w, zero), outside
 
 
+def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3+") -> torch.Tensor:
+    """Per-token KL loss term on tokens sampled from the policy: its value, and the gradient that flows
+    through ``logp``.
+
+    With ``d = logp - ref_logp`` at the sampled token (``ref_logp`` is a constant) and ``r = exp(-d)``:
+
+    * ``"k2"``: ``0.5 d**2``; gradient ``d * grad(logp)``, whose expectation over tokens drawn from the
+      policy pi is ``grad KL(pi || pi_ref)`` (the mode-seeking KL the penalty means). Its value is a
+      biased estimate of the KL (the second-order term).
+    * ``"k3+"`` (the default): the value of k3, ``(r - 1) - log r`` (an unbiased estimate of
+      ``KL(pi || pi_ref)``), with k2's gradient taken straight through (``k3 + k2 - stop_grad(k2)``):
+      the logged value is the KL and the expected gradient is ``grad KL(pi || pi_ref)``.
+    * ``"k3"``: k3 differentiated as written (GRPO's loss term); gradient ``(1 - r) * grad(logp)``,
+      whose expectation is ``grad KL(pi_ref || pi)``, the mass-covering direction: the right value,
+      pulled by the other KL. Kept for comparison with runs that used it.
+
+    All three are 0 with gradient 0 where ``logp == ref_logp``. The expectations hold for on-policy
+    tokens (the first pass over a buffer); after an update inside the buffer the tokens come from the
+    older policy, as for the rest of the PPO loss.
+
+    Args:
+        logp: ``(B, A)`` the policy's log-probs of the sampled tokens (nats, with grad).
+        ref_logp: ``(B, A)`` the reference's (detached here).
+        kind: one of :data:`KL_LOSS_ESTIMATORS`.
+
+    Returns:
+        ``(B, A)`` per-token term in nats, float32 or wider; the caller masks it.
+
+    Raises:
+        ValueError: unknown ``kind`` or shape mismatch.
+
+    Source: J. Schulman, "Approximating KL divergence" (2020), k2 and k3; the gradient analysis of
+    the KL loss term as in Tang & Munos 2025 ("On a few pitfalls in KL divergence gradient estimation
+    for RL"); Shao et al. 2024 (GRPO), eq. (4), for k3 as a loss term.
+    """
+    if kind not in KL_LOSS_ESTIMATORS:
+        raise ValueError(f"kl_loss_term: unknown kind {kind!r}; expected one of {KL_LOSS_ESTIMATORS}")
+    ref_logp = ref_logp.detach()
+    if kind == "k3":
+        return core.kl_penalty(logp, ref_logp, "k3")
+    k2 = core.kl_penalty(logp, ref_logp, "k2")
+    if kind == "k2":
+        return k2
+    return core.kl_penalty(logp.detach(), ref_logp, "k3") + (k2 - k2.detach())
+
+
 def _local_count(action_mask: torch.Tensor, loss_agg_mode: str, constant: float | None) -> torch.Tensor:
     valid = core.valid_mask(action_mask)
     if loss_agg_mode in ("token-mean", "micro-batch-token-mean"):
@@ -246,15 +294,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 normalizer: float | torch.Tensor, *, loss_agg_mode: str = "token-mean",
                 cliprange_low: float = 0.2, cliprange_high: float | None = None,
                 is_weights: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-                kl_loss_coef: float = 0.0, kl_loss_kind: str = "k3", token_stats: dict | None = None
+                kl_loss_coef: float = 0.0, kl_loss_kind: str = "k3+", token_stats: dict | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss of one micro-batch, its share of the optimizer step's loss.
 
     Per action token, with ``ratio = exp(logp - old_logp)``:
 
     ``l_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - cliprange_low, 1 + cliprange_high))``,
-    times ``is_weights`` if given, plus ``kl_loss_coef * KL_t(logp, ref_logp)`` (k3 by default;
-    its gradient flows through ``logp``) if ``ref_logp`` is given and the coefficient is non-zero.
+    times ``is_weights`` if given, plus ``kl_loss_coef * KL_t(logp, ref_logp)`` (:func:`kl_loss_term`:
+    by default k3's value with k2's gradient, whose expectation is ``grad KL(pi || pi_ref)``) if
+    ``ref_logp`` is given and the coefficient is non-zero.
 
     Aggregation, with ``normalizer`` from :func:`step_normalizers` (the GLOBAL count of the step):
 
@@ -279,7 +328,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             (symmetric PPO clip); DAPO's "clip-higher" uses e.g. 0.28 with 0.2.
         is_weights: optional ``(B, A)`` from :func:`rollout_is_weights` (or :func:`truncated_is_weights`).
         ref_logp: ``(B, A)`` reference log-probs, for the KL loss term.
-        kl_loss_coef: beta >= 0 of the KL loss term. kl_loss_kind: a :data:`core.KL_KINDS` name.
+        kl_loss_coef: beta >= 0 of the KL loss term. kl_loss_kind: a :data:`KL_LOSS_ESTIMATORS` name.
         token_stats: if given, filled with detached per-token ``(B, A)`` tensors: ``ratio`` (1 at
             masked positions) and ``clip`` (int8: -1 where the lower clip removes the token's
             gradient, +1 where the upper one does, else 0); the rollout records keep them.
@@ -288,16 +337,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         ``(loss, stats)``: 0-dim loss, float32 or wider; detached local stats (masked means over the micro-batch):
         ``clip_frac`` (tokens whose gradient a clip removes), of which ``clip_frac_low`` /
         ``clip_frac_high`` by the lower / upper clip,
-        ``approx_kl`` (k3 of KL(old || new)), ``ratio_mean``, and ``kl_loss`` / ``is_weight_mean``
-        when used.
+        ``approx_kl`` (k3 of KL(old || new)), ``ratio_mean``, and ``kl_loss`` (the KL term's value per
+        token) / ``is_weight_mean`` when used.
 
     Raises:
         ValueError: shape mismatch, bad clip range, unknown mode, ``normalizer <= 0``, negative
-            ``kl_loss_coef`` or ``kl_loss_coef > 0`` without ``ref_logp``.
+            ``kl_loss_coef``, ``kl_loss_coef > 0`` without ``ref_logp``, an unknown ``kl_loss_kind``.
 
     Source: Schulman et al. 2017 (PPO), eq. (7); Yu et al. 2025 (DAPO), eq. (10) clip-higher and
     the token-level loss; Liu et al. 2025 (Dr. GRPO), eq. (3); Shao et al. 2024 (GRPO), eq. (3)-(4)
-    for the k3 KL loss; Schulman, "Approximating KL divergence" (k3).
+    for the KL loss term; Schulman, "Approximating KL divergence" (k2, k3).
     """
     core.check_2d("policy_loss", logp=logp)
     core.check_same_shape("policy_loss", logp=logp, old_logp=old_logp, advantages=advantages,
@@ -332,8 +381,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         stats["is_weight_mean"] = core.masked_mean(w, valid)
     if ref_logp is not None and kl_loss_coef > 0:
         core.check_same_shape("policy_loss", logp=logp, ref_logp=ref_logp)
-        kl = core.kl_penalty(torch.where(valid, logp, zero),
-                             torch.where(valid, ref_logp.detach().to(logp.dtype), zero), kl_loss_kind)
+        ref = torch.where(valid, ref_logp.detach().to(logp.dtype), zero)
+        kl = kl_loss_term(torch.where(valid, logp, zero), ref, kl_loss_kind)
         per_token = per_token + kl_loss_coef * kl
         stats["kl_loss"] = core.masked_mean(kl, valid)
     if loss_agg_mode == "seq-mean-token-mean":

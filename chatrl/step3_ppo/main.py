@@ -246,7 +246,8 @@ def build(args, score_fn=None) -> Step3Run:
                       answer_len=episodes.max_region_tokens if episodes else rollout.max_answer_seq_len,
                       all_reduce_sum=dist.all_reduce_sum if several else None,
                       all_reduce_max=dist.all_reduce_max if several else None, rank=info.rank, ema=engines.ema,
-                      temperature=s.sampling.temperature, packing=s.packing, env=make_env, episodes=episodes,
+                      temperature=s.sampling.temperature, top_k=s.sampling.top_k, top_p=s.sampling.top_p,
+                      packing=s.packing, env=make_env, episodes=episodes,
                       max_prompt_len=rollout.max_prompt_seq_len, weights=hybrid)
     tracker = Tracker.for_run(s.log, info.is_main)
     critic_desc = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{s.critic_zero.zero_stage}"

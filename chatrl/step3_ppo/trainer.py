@@ -199,16 +199,17 @@ def answer_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def packed_answer_logp(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                       pad_token_id: int, temperature: float = 1.0, entropy: bool = False):
+                       pad_token_id: int, temperature: float = 1.0, entropy: bool = False, top_k: int = 0,
+                       top_p: float = 1.0):
     """Log-probs ``(B, A)`` of the answer tokens (and their entropy ``(B, A)`` with ``entropy``) under
-    ``model`` at ``temperature``, computed on packed rows (:func:`chatrl.packing.pack_rollouts`) with
+    ``model`` at ``temperature`` (and the sampler's ``top_k`` / ``top_p`` filters), computed on packed rows (:func:`chatrl.packing.pack_rollouts`) with
     the LM head on the answer positions only: the padded path's numbers on each answer token, 0
     beyond each answer (:func:`chatrl.logprobs.token_logprobs`, float32 before the temperature)."""
     packed, slots = pack_rollouts(sequences, attention_mask, prompt_len, pad_token_id)
     logits = token_logits_at(model, slots.rows, slots.cols, packed.input_ids, None, packed)
     width = sequences.shape[1] - prompt_len
     targets = sequences[:, prompt_len:][slots.seq, slots.offset]
-    out = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature, entropy)
+    out = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature, entropy, top_k, top_p)
     return (tuple(slots.scatter(x[0], len(sequences), width) for x in out) if entropy
             else slots.scatter(out[0], len(sequences), width))
 
@@ -235,8 +236,13 @@ class Trainer:
         temperature: ``--temperature`` of the sampler (0: greedy). The actor's and the reference's
             log-probs, the ratio, the KL and the entropy are those of the distribution the tokens
             were sampled from, ``softmax(logits / T)`` (as TRL, veRL and OpenRLHF compute them);
-            greedy decoding is scored at ``T = 1``. Top-k and top-p truncate what the sampler draws
-            from but not what is trained (``docs/critic_free.md``, "Temperature").
+            greedy decoding is scored at ``T = 1``.
+        top_k, top_p: ``--top_k`` and ``--top_p`` of the sampler (0 and 1: off; greedy decoding ignores
+            them). With a filter, the actor's old and new log-probs, the reference's (hence the KL:
+            between the two models' filtered distributions) and the entropy are those of the
+            filtered distribution the sampler drew from, each model filtering its own logits, the
+            sampled token always counted (:func:`chatrl.logprobs.token_logprobs`;
+            ``docs/critic_free.md``, "Temperature, top-k and top-p").
         ema: optional EMA copy of the actor, averaged after every actor optimizer step (ZeRO-3
             partitions are averaged in place, no gather).
         packing: ``--packing`` (packed forwards) and ``--max_tokens_per_micro_batch`` (micro-batches
@@ -263,7 +269,8 @@ class Trainer:
     def __init__(self, actor, reference, critic, reward: WeightedReward, generate: Generate, kl_controller,
                  settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
                  answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
-                 rank: int = 0, ema=None, temperature: float = 1.0, packing: PackingConfig | None = None,
+                 rank: int = 0, ema=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 packing: PackingConfig | None = None,
                  env: EnvFactory | None = None, episodes: EpisodePlan | None = None, max_prompt_len: int = 0,
                  weights=None):
         self.algorithm = settings.algorithm
@@ -281,6 +288,7 @@ class Trainer:
         self.gas, self.world, self.answer_len = gradient_accumulation_steps, world_size, answer_len
         self.all_reduce_sum, self.all_reduce_max, self.rank = all_reduce_sum, all_reduce_max, rank
         self.temperature = temperature if temperature > 0 else 1.0
+        self.top_k, self.top_p = (top_k, top_p) if temperature > 0 else (0, 1.0)  # greedy: no filter
         packing = packing or PackingConfig()
         self.packed, self.max_tokens = packing.packing, packing.max_tokens_per_micro_batch
         self.env, self.episodes, self.max_prompt_len = env, episodes, max_prompt_len
@@ -397,21 +405,21 @@ class Trainer:
     def padded_logp(self, model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                     entropy: bool = False):
         """The log-probs ``(B, A)`` of the answer tokens of padded ``sequences`` ``(B, prompt_len + A)``
-        under the actor or the reference at the sampling temperature (and their entropy ``(B, A)`` with
-        ``entropy``): the distribution the answers were sampled from. The answer logits go through
+        under the actor or the reference at the sampling temperature and with its top-k / top-p filters
+        (and their entropy ``(B, A)`` with ``entropy``): the distribution the answers were sampled from. The answer logits go through
         :func:`chatrl.logprobs.token_logprobs`, which promotes bf16 logits to float32 before dividing, as
         the sampler does (at ``T = 1`` nothing is divided). The answer ids are the model's own samples,
         so they are not range-checked here (no host sync)."""
         logits = answer_logits(model, sequences, attention_mask, prompt_len)
-        return token_logprobs(logits, sequences[:, prompt_len:], self.temperature, entropy)
+        return token_logprobs(logits, sequences[:, prompt_len:], self.temperature, entropy, self.top_k, self.top_p)
 
     def policy_logp(self, model, exp: Experience, entropy: bool = False):
         """The log-probs ``(B, A)`` of ``exp``'s answer tokens under the actor or the reference at the
-        sampling temperature (and their entropy with ``entropy``), padded (:meth:`padded_logp`) or
+        sampling temperature and filters (and their entropy with ``entropy``), padded (:meth:`padded_logp`) or
         packed (``--packing``, :func:`packed_answer_logp`)."""
         if self.packed:
             return packed_answer_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, self.pad,
-                                      self.temperature, entropy)
+                                      self.temperature, entropy, self.top_k, self.top_p)
         return self.padded_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len, entropy)
 
     def critic_values(self, exp: Experience) -> torch.Tensor:
@@ -574,7 +582,8 @@ class Trainer:
         loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, loss_agg_mode=self.mode,
                               cliprange_low=self.clip_low, cliprange_high=self.clip_high, is_weights=exp.is_weights,
                               ref_logp=exp.ref_logp if in_loss else None,
-                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
+                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0,
+                              kl_loss_kind=self.s.kl_loss_estimator)
         return loss
 
     def one_batch_critic_loss(self, model, parts: list[Experience]) -> torch.Tensor:
@@ -613,7 +622,8 @@ class Trainer:
         loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer,
                                   loss_agg_mode=self.mode, cliprange_low=self.clip_low, cliprange_high=self.clip_high,
                                   is_weights=exp.is_weights, ref_logp=exp.ref_logp if in_loss else None,
-                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0, token_stats=token_stats)
+                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0,
+                                  kl_loss_kind=self.s.kl_loss_estimator, token_stats=token_stats)
         self.actor.backward(loss * scale)
         self._step_engine(self.actor, "actor_grad_norm")
         self._after_actor_step()

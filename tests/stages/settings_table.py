@@ -105,6 +105,9 @@ TABLE["ppo"] = {
     "kl_horizon": ("10", ADAPTIVE),
     "kl_estimator": ("k3", []),
     "kl_in": ("loss", []),
+    # k3's gradient (1 - r) against k2's d: they differ once the actor has left the reference (the second
+    # micro-batch of step 1); a large coefficient makes the KL term's share of the gradient count
+    "kl_loss_estimator": ("k3", ["--kl_in", "loss", "--init_kl_coef", "10"]),
     "clip_reward_value": ("0.01", []),
     "cliprange": ("1e-4", []),
     "cliprange_low": ("1e-4", []),

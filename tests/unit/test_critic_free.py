@@ -253,6 +253,61 @@ def test_kl_loss_is_weights_and_errors():
         loss_mod.policy_loss(logp, old, adv, MASK, 8, loss_agg_mode="sum")
 
 
+def kl_loss_gradient_error(kind: str | None, samples: int = 400_000) -> tuple[float, float]:
+    """The mean gradient of the policy loss's KL term (coefficient 1, advantages 0) over ``samples``
+    on-policy one-token answers of a 6-way categorical policy, against the exact gradients of
+    KL(pi || pi_ref) and of KL(pi_ref || pi): the two relative errors."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.tensor([1.0, 0.2, -0.5, 0.7, -1.2, 0.0], dtype=torch.float64, requires_grad=True)
+    log_ref = torch.log_softmax(torch.tensor([-0.3, 0.9, 0.4, -0.8, 0.1, 0.6], dtype=torch.float64), -1)
+    log_pi = torch.log_softmax(theta, -1)
+    tokens = torch.multinomial(log_pi.detach().exp(), samples, replacement=True, generator=g)
+    logp = log_pi[tokens].unsqueeze(1)
+    kwargs = {} if kind is None else {"kl_loss_kind": kind}
+    loss, _ = loss_mod.policy_loss(logp, logp.detach(), torch.zeros_like(logp), torch.ones(samples, 1),
+                                   float(samples), ref_logp=log_ref[tokens].unsqueeze(1), kl_loss_coef=1.0, **kwargs)
+    (grad,) = torch.autograd.grad(loss, theta, retain_graph=True)
+    forward = (log_pi.exp() * (log_pi - log_ref)).sum()  # KL(pi || pi_ref), exact
+    reverse = (log_ref.exp() * (log_ref - log_pi)).sum()  # KL(pi_ref || pi), exact
+    errors = []
+    for kl in (forward, reverse):
+        (exact,) = torch.autograd.grad(kl, theta, retain_graph=True)
+        errors.append(((grad - exact).norm() / exact.norm()).item())
+    return errors[0], errors[1]
+
+
+def test_kl_loss_term_pulls_by_the_gradient_of_kl_policy_to_reference():
+    # On samples from pi, k2's gradient d * grad(log pi) averages to grad KL(pi || pi_ref); k3's as written,
+    # (1 - pi_ref / pi) * grad(log pi), to grad KL(pi_ref || pi). The default (k3's value, k2's gradient)
+    # must pull by the first. Before the estimator was selectable the term was k3 as written: 0.185 away
+    # from grad KL(pi || pi_ref) on this harness, 0.002 from the reverse KL's.
+    default_forward, _ = kl_loss_gradient_error(None)
+    assert default_forward < 0.02
+    k2_forward, _ = kl_loss_gradient_error("k2")
+    assert k2_forward < 0.02
+    k3_forward, k3_reverse = kl_loss_gradient_error("k3")
+    assert k3_forward > 0.15 and k3_reverse < 0.02
+
+
+def test_kl_loss_term_values_and_gradients_by_hand():
+    # d = logp - ref = 0.5 on every token: k2 = d^2 / 2 = 0.125, gradient d = 0.5; k3 = e^-0.5 - 1 + 0.5,
+    # gradient 1 - e^-0.5; k3+ has k3's value and k2's gradient. All are 0 with gradient 0 at d = 0.
+    logp = torch.full((2, 3), -1.0, requires_grad=True)
+    ref = logp.detach() - 0.5
+    k3 = math.exp(-0.5) - 0.5
+    cases = {"k2": (0.125, 0.5), "k3": (k3, 1 - math.exp(-0.5)), "k3+": (k3, 0.5)}
+    for kind, (value, grad) in cases.items():
+        term = loss_mod.kl_loss_term(logp, ref, kind)
+        (g,) = torch.autograd.grad(term.sum(), logp)
+        assert torch.allclose(term, torch.full((2, 3), value)), kind
+        assert torch.allclose(g, torch.full((2, 3), grad)), kind
+        term = loss_mod.kl_loss_term(logp, logp.detach(), kind)
+        (g,) = torch.autograd.grad(term.sum(), logp)
+        assert term.abs().max().item() == 0 and g.abs().max().item() == 0, kind
+    with pytest.raises(ValueError, match="unknown kind 'k1'"):
+        loss_mod.kl_loss_term(logp, ref, "k1")
+
+
 def test_logp_diff_on_masked_tokens_only():
     sampler = torch.tensor([[-1.0, -2.0, GARBAGE], [-1.0, -1.0, -1.0]])
     train = torch.tensor([[-1.0, -2.5, 0.0], [-1.25, -1.0, -1.0]])
@@ -276,13 +331,14 @@ def test_every_option_changes_the_loss_or_gradient():
     kl = core.kl_penalty(old, ref, "k1")
 
     def run(algorithm="grpo", scale_by_std=True, kl_in_reward=False, mode="token-mean", low=0.2, high=None,
-            cap=None, kl_loss_coef=0.0, constant=5.0):
+            cap=None, kl_loss_coef=0.0, kl_loss_kind="k3+", constant=5.0):
         adv = critic_free_advantages(algorithm, scores, mask, 4, kl=kl if kl_in_reward else None, kl_coef=0.3,
                                         scale_by_std=scale_by_std)
         norm = loss_mod.step_normalizers(mask, B, 1, mode, constant=constant)[0]
         w = None if cap is None else loss_mod.truncated_is_weights(old, sampler, mask, cap)
         loss, _ = loss_mod.policy_loss(logp, old, adv, mask, norm, loss_agg_mode=mode, cliprange_low=low,
-                                 cliprange_high=high, is_weights=w, ref_logp=ref, kl_loss_coef=kl_loss_coef)
+                                 cliprange_high=high, is_weights=w, ref_logp=ref, kl_loss_coef=kl_loss_coef,
+                                 kl_loss_kind=kl_loss_kind)
         (g,) = torch.autograd.grad(loss, logp)
         return loss.detach(), g
 
@@ -294,8 +350,11 @@ def test_every_option_changes_the_loss_or_gradient():
                 "cliprange_low": run(low=0.05), "cliprange_high": run(high=0.6), "rollout_is_cap": run(cap=1.5),
                 "kl_loss": run(kl_loss_coef=0.2)}
     variants["constant"] = run(mode="seq-mean-token-sum-norm", constant=9.0)
+    variants["kl_loss_k2"] = run(kl_loss_coef=0.2, kl_loss_kind="k2")
+    variants["kl_loss_k3"] = run(kl_loss_coef=0.2, kl_loss_kind="k3")
+    against = {"constant": "seq-mean-token-sum-norm", "kl_loss_k2": "kl_loss", "kl_loss_k3": "kl_loss"}
     for name, (loss, grad) in variants.items():
-        ref_loss, ref_grad = variants["seq-mean-token-sum-norm"] if name == "constant" else base
+        ref_loss, ref_grad = variants[against[name]] if name in against else base
         changed = abs(loss - ref_loss).item() > 1e-6 or (grad - ref_grad).abs().max().item() > 1e-6
         assert changed, f"option {name} changes nothing"
 

@@ -92,6 +92,38 @@ def test_the_gradient_is_the_softmax_closed_form():
     torch.testing.assert_close(logits.grad, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.6), (4, 0.7)])
+def test_filtered_logprobs_are_the_filtered_softmax_and_keep_their_label(top_k, top_p):
+    """With top-k / top-p: the log-softmax over the kept tokens and the label, its gradient
+    (onehot - softmax over them) / T and 0 on the dropped tokens, by autograd through the plain
+    formula; a label the filter dropped gets a finite log-prob (it is counted); the entropy is the
+    filtered distribution's; with no filter the numbers are the unfiltered ones."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, 3, 11, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    z = logits.detach() / 0.7
+    kept = torch.isfinite(lp.sampling_filter(z, top_k, top_p))
+    dropped = (~kept).nonzero()[0]  # one position's dropped token becomes its label
+    labels = z.argmax(-1)
+    labels[dropped[0], dropped[1]] = dropped[2]
+    assert int((~kept).sum()) > 0 and bool(kept.sum(-1).lt(11).all())
+    kept = kept | torch.nn.functional.one_hot(labels, 11).bool()
+    upstream = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    logp, ent = token_logprobs(logits, labels, 0.7, entropy=True, top_k=top_k, top_p=top_p)
+    (logp * upstream).sum().backward()
+    x = logits.detach().clone().requires_grad_()
+    plain = torch.log_softmax((x / 0.7).masked_fill(~kept, -math.inf), -1)
+    want = plain.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(logp, want.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(logits.grad, x.grad, rtol=0, atol=1e-12)
+    assert bool((logits.grad[~kept] == 0).all()) and bool(torch.isfinite(logp).all())
+    q = plain.detach().exp()
+    torch.testing.assert_close(ent, -(q * plain.detach().nan_to_num(neginf=0.0)).sum(-1), rtol=0, atol=1e-12)
+    unfiltered = token_logprobs(logits.detach(), labels, 0.7)
+    assert torch.equal(token_logprobs(logits.detach(), labels, 0.7, top_k=0, top_p=1.0), unfiltered)
+    assert bool((logp.detach() > unfiltered).all())  # the kept mass is < 1 at every position
+
+
 def test_uniform_logits_by_hand():
     """Equal logits over V tokens: log-prob -log V, entropy log V, gradient (onehot - 1/V) / T."""
     logits = torch.zeros(1, 2, 5, requires_grad=True)
