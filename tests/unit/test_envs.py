@@ -2,7 +2,8 @@
 test of thousands of random and hostile call strings: no crash, no hang, no exception), the
 guessing game, loading an environment by name, and the episode loop's ids and masks, token by
 token, for a two-tool-call episode (trained ids = sampled ids; the episode = sampled ids +
-observation ids, exactly what step 1 trains for the same conversation)."""
+observation ids, exactly what step 1 trains for the same conversation), and the tool chat's ids
+(the template's rendering of its messages after every turn, however an answer ended)."""
 
 from __future__ import annotations
 
