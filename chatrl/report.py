@@ -35,7 +35,7 @@ from pathlib import Path
 from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
 from chatrl.certificate import read_certificate
 from chatrl.checkpoint import RUN_MARKER
-from chatrl.eval import EVAL_FILE
+from chatrl.eval import EVAL_FILE, length_controlled_text, verdict
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics
 
 REPORT_FILE = "report.html"
@@ -394,10 +394,9 @@ def _eval_table(ev: dict) -> str:
     rows = []
     for p in ev["pairs"]:
         fa, fb, j = fig[p["a"]][p["decoding"]], fig[p["b"]][p["decoding"]], p.get("judge")
-        note = ("" if j is None else "gain within noise" if j["win_rate"]["within_noise"]
-                else "B better" if j["win_rate"]["value"] > 0.5 else "A better")
+        note = "" if j is None else verdict(j["win_rate"])
         rows.append(f"<tr><td>{_esc(p['b'])}</td><td>{_esc(p['a'])}</td><td>{_esc(p['decoding'])}</td>"
-                    f"<td>{_rate_cell(j)}</td><td>{_num(j['length_controlled']['value']) if j else '-'}</td>"
+                    f"<td>{_rate_cell(j)}</td><td>{length_controlled_text(j['length_controlled']) if j else '-'}</td>"
                     + (f"<td>{_rate_cell(p.get('gold'))}</td>" if gold else "") +
                     f"<td>{_num(fb['length_tokens'], '.1f')} / {_num(fa['length_tokens'], '.1f')}</td>"
                     f"<td>{_num(fb['eos_rate'], '.2f')} / {_num(fa['eos_rate'], '.2f')}</td>"

@@ -237,6 +237,6 @@ def test_report_has_an_evaluation_section(tmp_path):
     doc, charts = build_html(out)
     assert charts == before + 1 and 'id="chart-eval-frontier"' in doc
     section = doc[doc.index('<section id="evaluation">'):]
-    assert "<b>0.550</b> [0.450, 0.650]" in section and section.count("gain within noise") == 2
+    assert "<b>0.550</b> [0.450, 0.650]" in section and section.count("difference within noise") == 2
     assert "over-optimisation check (r)" in section and "&lt;b&gt;hi&lt;/b&gt;" in section
     assert "judge +0.200" in section and "gold peak" in section
