@@ -630,7 +630,8 @@ def main(argv: list[str] | None = None) -> None:
 def results_summary(runs: list[StepRun]) -> list[str]:
     """The pipeline's last lines: each step's results from its metrics log
     (:func:`chatrl.tracking.results_line`: step 1's eval perplexity before → after and EOS rate,
-    step 2's eval accuracy before → after, step 3's score first → last, KL max, EOS rate first → last)."""
+    step 2's eval accuracy before → after, step 3's score and EOS rate trends (:func:`chatrl.tracking.step_trend`),
+    KL max)."""
     lines = []
     for r in runs:
         found = results_line(read_metrics(r.out_dir / METRICS_FILE))
