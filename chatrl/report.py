@@ -36,7 +36,7 @@ from pathlib import Path
 from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
 from chatrl.certificate import read_certificate
 from chatrl.checkpoint import RUN_MARKER
-from chatrl.eval import EVAL_FILE, length_controlled_text, verdict
+from chatrl.eval import EVAL_FILE, NO_JUDGE, length_controlled_text, verdict
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics, step_trend
 
 REPORT_FILE = "report.html"
@@ -396,7 +396,7 @@ def _eval_table(ev: dict) -> str:
     rows = []
     for p in ev["pairs"]:
         fa, fb, j = fig[p["a"]][p["decoding"]], fig[p["b"]][p["decoding"]], p.get("judge")
-        note = "" if j is None else verdict(j["win_rate"])
+        note = NO_JUDGE if j is None else verdict(j["win_rate"])
         rows.append(f"<tr><td>{_esc(p['b'])}</td><td>{_esc(p['a'])}</td><td>{_esc(p['decoding'])}</td>"
                     f"<td>{_rate_cell(j)}</td><td>{length_controlled_text(j['length_controlled']) if j else '-'}</td>"
                     + (f"<td>{_rate_cell(p.get('gold'))}</td>" if gold else "") +

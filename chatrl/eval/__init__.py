@@ -14,6 +14,9 @@ EVAL_FILE = "eval.json"
 ANSWERS_FILE = "answers.jsonl"
 """Every answer with its length, EOS, KL and judge scores, beside :data:`EVAL_FILE`."""
 
+#: The note of a pair without a judge (its win rate is "-"): why there is no win rate.
+NO_JUDGE = "no judge (--judge): no win rate"
+
 #: What the table and the report print in the length-controlled column when length explains the outcome.
 LENGTH_EXPLAINS = "length explains the outcome"
 

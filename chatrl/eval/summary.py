@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from chatrl.eval import length_controlled_text, verdict
+from chatrl.eval import NO_JUDGE, length_controlled_text, verdict
 from chatrl.eval.answers import GREEDY, Answer
 from chatrl.eval.inputs import Candidate
 from chatrl.eval.judges import compare
@@ -149,7 +149,7 @@ def format_table(result: dict) -> str:
     for p in result["pairs"]:
         fa, fb = fig[p["a"]][p["decoding"]], fig[p["b"]][p["decoding"]]
         judge = p.get("judge")
-        note = "" if judge is None else verdict(judge["win_rate"])
+        note = NO_JUDGE if judge is None else verdict(judge["win_rate"])
         rows.append([f"{p['b']} vs {p['a']}", p["decoding"], _rate(judge),
                      length_controlled_text(judge["length_controlled"]) if judge else "-",
                      *([_rate(p.get("gold"))] if has_gold else []),
