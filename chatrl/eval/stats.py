@@ -196,8 +196,8 @@ def _separated_by_length(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[n
     scores at equal length (any threshold in the gap fits, each with its own prediction at ``x = 0``):
     NaN. With ``b = 0`` the outcome is unanimous: B wins every comparison (or loses every one); where
     the comparisons reach both sides of equal length (``min x ≤ 0 ≤ max x``) it does so at every
-    length and the figure is 1 (or 0); where B is always the longer (or always the shorter) answer, length could
-    explain it as well: NaN.
+    length and the figure is 1 (or 0); where B is always the longer (or always the shorter) answer,
+    length could explain it as well: NaN.
 
     Args:
         x: ``(N,)`` length differences (any scale). y: ``(N,)`` outcomes in ``[0, 1]``.
@@ -247,9 +247,8 @@ def length_controlled(outcomes, length_diff, n_boot: int = 1000, seed: int = 0, 
     with ``l2`` 0.01, 0.53 with 1e-4): ``value`` is None, length explains the outcome
     (:func:`_separated_by_length`; a unanimous outcome is 1 or 0 where B also won, or lost, at the
     other side of equal length, None where it was always the longer or always the shorter answer).
-    A bootstrap resample that cannot say counts as 0
-    for the interval's lower end and as 1 for its upper end, so the interval holds every value the
-    data allows. Swapping A and B flips ``y → 1 - y`` and ``Δ → -Δ``, so ``a → -a``, the separated
+    A bootstrap resample that cannot say counts as 0 for the interval's lower end and as 1 for its
+    upper end, so the interval holds every value the data allows. Swapping A and B flips ``y → 1 - y`` and ``Δ → -Δ``, so ``a → -a``, the separated
     cases swap their ends, and the figure and its interval mirror. Resamples refit the model on the
     same prompt resamples as the win rate.
 
