@@ -30,6 +30,7 @@ from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
 from chatrl.conversation import HUMAN_MARKER, ToolSession, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
+from chatrl.dist import place_threads_for_load
 from chatrl.envs import load_environment
 from chatrl.models import (
         check_context_window,
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         build_parser().error(str(e))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(place_threads_for_load("chatrl chat"), flush=True)
     tokenizer = load_tokenizer(args.path, padding_side="left", trust_remote_code=args.trust_remote_code)
     dtype, why = resolve_dtype(args.dtype, torch.device(device).type)
     model = load_chat_lm(args.path, dtype, device, args.trust_remote_code, tokenizer)

@@ -686,7 +686,8 @@ def main(argv: list[str] | None = None) -> None:
 def results_summary(runs: list[StepRun]) -> list[str]:
     """The pipeline's last lines: each step's results from its metrics log
     (:func:`chatrl.tracking.results_line`: step 1's eval perplexity before → after and EOS rate,
-    step 2's eval accuracy before → after, step 3's score first → last, KL max, EOS rate first → last)."""
+    step 2's eval accuracy before → after, step 3's score and EOS rate trends (:func:`chatrl.tracking.step_trend`),
+    KL max)."""
     lines = []
     for r in runs:
         found = results_line(read_metrics(r.out_dir / METRICS_FILE))
@@ -818,11 +819,17 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
         print(f"evaluation: {result} is newer than the models; skipped (--overwrite redoes it)", flush=True)
         return
     parser = eval_parser()
-    cmd = [sys.executable, "-m", "chatrl.eval", *command_flags(eval_flags(pipe, gold), parser),
-           *cli.resolve_argv(shlex.split(s.evaluation.eval_args), parser, Path.cwd())]
+    flags, extra = eval_flags(pipe, gold), shlex.split(s.evaluation.eval_args)
+    cmd = [sys.executable, "-m", "chatrl.eval", *command_flags(flags, parser),
+           *cli.resolve_argv(extra, parser, Path.cwd())]
     log_path = out / "logs" / "eval.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"evaluation: {dirs[1].name} against {final.name} (log: {log_path})", flush=True)
+    if flags["judge"] is None and not any(x.split("=")[0] in ("--judge", "--gold_judge", "--gold-judge") for x in extra):
+        print("evaluation: no judge, so no win rate ('-'): " + (
+            "DPO trains no reward model; --gold-reward-model BACKBONE trains one to judge with"
+            if a.step2_method == "dpo" else "this run has no reward model nor a single --reward-fn")
+            + ", or --eval-args \"--judge PATH\" names one", flush=True)
     t0 = time.time()
     with open(log_path, "a", encoding="utf-8", buffering=1) as log:
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}\n$ " + shlex.join(cmd) + "\n")

@@ -115,18 +115,28 @@ class ToolSession:
         environment's observation turns when the model answers again (the ids to generate from are
         then :attr:`ids`), else None (the next turn is the user's).
 
+        An answer that does not end with the end-of-turn token (cut by ``--max_new_tokens``, or
+        ended by another stop token such as ChatML's ``<|endoftext|>``) is closed as the layout
+        closes every assistant turn: the other stop token is dropped (its text is not part of the
+        answer) and the end-of-turn token appended, so that :attr:`ids` stay the template's
+        rendering of :attr:`messages` and the next user turn follows a closed turn. Such an answer
+        ends the tool calls of this user turn (as it ends a step-3 episode).
+
         Raises:
             chatrl.envs.EnvError: the environment's ``step`` returned something wrong.
         """
         sampled = list(sampled)
         cut = next((i + 1 for i, t in enumerate(sampled) if t in self.stops), None)
         sampled = sampled[:cut]
+        ended = bool(sampled) and sampled[-1] == self.eot
+        if not ended:
+            sampled = (sampled[:-1] if cut is not None else sampled) + [self.eot]
         self.ids.append(sampled, trained=True)
         text = self.tokenizer.decode(sampled, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
         new, _, done, _ = check_step(self.env.step([dict(m) for m in self.messages], text), "step")
-        if done or new is None or cut is None or sampled[-1] != self.eot or self.turns >= self.max_turns:
+        if done or new is None or not ended or self.turns >= self.max_turns:
             return None
         self.ids.append(observation_ids(self.tokenizer, self.messages, new), trained=False)
         self.messages += new

@@ -134,6 +134,42 @@ def place_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
+def threads_for_load(cpus: int, load: float) -> int:
+    """Intra-op threads for one process on ``cpus`` cores whose 1-minute load average is ``load``: one per
+    idle core, ``round(cpus - load)``, at least 1 and at most ``cpus``.
+
+    Each operator's parallel region ends when its slowest thread does; a thread that finds no idle core
+    waits for a time slice, and a decoding loop of thousands of small operators pays that wait in each
+    of them, so a busy machine slows a process with a thread per core far more than the load (an
+    evaluation 13× slower at a load of about 5 on 2 cores). With no more threads than idle cores (one
+    on a busy machine) it slows in proportion to its share of the cores, as any single-threaded process.
+    """
+    return max(1, min(cpus, round(cpus - load)))
+
+
+def place_threads_for_load(program: str) -> str:
+    """Set this single-process command's intra-op threads by :func:`threads_for_load` (the evaluation,
+    the chat), unless ``OMP_NUM_THREADS`` is set; returns the one line that says how many and why.
+
+    The load is ``os.getloadavg()``'s 1-minute figure before the command's own work starts; the cores,
+    this process's CPUs (its affinity). Off CPU (``--device cuda``) the threads matter little and are set
+    all the same.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if os.environ.get("OMP_NUM_THREADS"):
+        return (f"{program}: {torch.get_num_threads()} CPU thread{'s' * (torch.get_num_threads() > 1)} "
+                f"(OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: every core
+        torch.set_num_threads(cpus)
+        return f"{program}: {cpus} CPU thread{'s' * (cpus > 1)} (no load average here; OMP_NUM_THREADS sets it)"
+    n = threads_for_load(cpus, load)
+    torch.set_num_threads(n)
+    return (f"{program}: {n} CPU thread{'s' * (n > 1)} for {cpus} core{'s' * (cpus > 1)} at a load of {load:.1f} "
+            "(one per idle core, so that a busy machine slows it in proportion; OMP_NUM_THREADS sets it)")
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     if torch.distributed.is_initialized():

@@ -9,7 +9,8 @@ with its resume points marked), ``logs/samples.jsonl`` (step 3's rollouts over t
 ``chatrl_run.json`` (a finished step's flags and final metrics), ``certificate.json`` (the step's
 correctness certificate, :mod:`chatrl.certificate`), ``OUTPUT_DIR/logs/stepN.log`` (the command
 that ran a step) and ``OUTPUT_DIR/eval/eval.json`` (the evaluation's figures, :mod:`chatrl.eval`).
-On top: each step's certificate (every property with its figure, bound and pass/fail), then the
+On top: the verdict (step 3's score and EOS rate trends, :func:`chatrl.tracking.step_trend`, and the
+evaluation's final win rate), each step's certificate (every property with its figure, bound and pass/fail), then the
 run-health alerts (:mod:`chatrl.alerts`) with their step and figure; then per step the headline
 figures, wall time and its split, the charts, the samples and the flags; then the evaluation: win
 rates with intervals, the KL / win-rate frontier over step 3's snapshots, and answers side by side.
@@ -35,8 +36,8 @@ from pathlib import Path
 from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
 from chatrl.certificate import read_certificate
 from chatrl.checkpoint import RUN_MARKER
-from chatrl.eval import EVAL_FILE
-from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics
+from chatrl.eval import EVAL_FILE, NO_JUDGE, length_controlled_text, verdict
+from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics, step_trend
 
 REPORT_FILE = "report.html"
 STEP_FOLDERS = {"step1_actor": (1, "step 1: supervised fine-tuning"), "step2_reward": (2, "step 2: reward model"),
@@ -183,17 +184,18 @@ def headlines(run: StepRun) -> list[tuple[str, str]]:
     first_last("eval/eos_rate", "greedy answers ending with EOS", "{:.1%}")
     first_last("eval/accuracy", "reward model eval accuracy (chosen > rejected)", "{:.3f}")
     first_last("eval/margin", "eval margin (chosen − rejected score)", "{:+.4f}")
-    score = _series(rows, "reward/score_mean")[1]
-    if score:
-        out.append(("score: the weighted reward (mean of the first 3 steps → of the last 10)",
-                    f"{_mean(score[:3]):.3f} → {_mean(score[-10:]):.3f}"))
-    for key, label, fmt in (("kl", "KL to the reference, nats per answer (last 10 steps)", "{:.3f}"),
-                            ("eos_rate", "answers ending with EOS (last 10 steps)", "{:.1%}"),
-                            ("answer_len", "answer length, tokens (last 10 steps)", "{:.1f}"),
-                            ("entropy", "entropy, nats per token (last 10 steps)", "{:.3f}")):
-        ys = _series(rows, key)[1]
-        if ys:
-            out.append((label, fmt.format(_mean(ys[-10:]))))
+    for key, label, fmt in (("reward/score_mean", "score: the weighted reward", "{:.3f}"),
+                            ("eos_rate", "answers ending with EOS", "{:.1%}")):
+        t = step_trend(_series(rows, key)[1])
+        if t is not None:
+            out.append((f"{label} ({t.definition})", t.text(fmt) + (f" ({t.verdict})" if t.verdict else "")))
+    for key, label, fmt in (("kl", "KL to the reference, nats per answer", "{:.3f}"),
+                            ("answer_len", "answer length, tokens", "{:.1f}"),
+                            ("entropy", "entropy, nats per token", "{:.3f}")):
+        t = step_trend(_series(rows, key)[1])
+        if t is not None:
+            n = t.last or 1
+            out.append((f"{label} (last {n} step{'s' * (n > 1)})", fmt.format(t.start if t.end is None else t.end)))
     split = {k[5:]: sum(_finite(_series(rows, k)[1])) for k in _keys(rows) if k.startswith("time/")}
     total = sum(split.values())
     if total > 0:
@@ -394,10 +396,9 @@ def _eval_table(ev: dict) -> str:
     rows = []
     for p in ev["pairs"]:
         fa, fb, j = fig[p["a"]][p["decoding"]], fig[p["b"]][p["decoding"]], p.get("judge")
-        note = ("" if j is None else "gain within noise" if j["win_rate"]["within_noise"]
-                else "B better" if j["win_rate"]["value"] > 0.5 else "A better")
+        note = NO_JUDGE if j is None else verdict(j["win_rate"])
         rows.append(f"<tr><td>{_esc(p['b'])}</td><td>{_esc(p['a'])}</td><td>{_esc(p['decoding'])}</td>"
-                    f"<td>{_rate_cell(j)}</td><td>{_num(j['length_controlled']['value']) if j else '-'}</td>"
+                    f"<td>{_rate_cell(j)}</td><td>{length_controlled_text(j['length_controlled']) if j else '-'}</td>"
                     + (f"<td>{_rate_cell(p.get('gold'))}</td>" if gold else "") +
                     f"<td>{_num(fb['length_tokens'], '.1f')} / {_num(fa['length_tokens'], '.1f')}</td>"
                     f"<td>{_num(fb['eos_rate'], '.2f')} / {_num(fa['eos_rate'], '.2f')}</td>"
@@ -491,6 +492,31 @@ pre{white-space:pre-wrap;margin:0;font-size:12px;max-width:640px} pre.obs{backgr
 """
 
 
+def verdict_lines(runs: list[StepRun], ev: dict | None) -> list[str]:
+    """The report's first lines: what step 3 did to its score and EOS rate (:func:`chatrl.tracking.step_trend`,
+    the console's and the README's definition, with its verdict) and, with an evaluation, the last
+    model of the series (not the EMA) over the baseline, the headline decoding, with its verdict."""
+    lines = []
+    for run in runs:
+        score, eos = (step_trend(_series(run.rows, k)[1]) for k in ("reward/score_mean", "eos_rate"))
+        if score is None:
+            continue
+        text = f"{run.title}: score {score.text('{:.3f}')}" + (f", {score.verdict}" if score.verdict else "")
+        if eos is not None:
+            text += f"; EOS rate {eos.text('{:.2f}')}" + (f", {eos.verdict}" if eos.verdict else "")
+        lines.append(text + (f" ({score.definition})" if score.end is not None else ""))
+    ev = ev or {}
+    final = [m["label"] for m in ev.get("models", [])[1:] if m.get("in_series", True)][-1:]
+    pairs = [p for p in ev.get("pairs", []) if p.get("judge") and p["decoding"] == ev.get("headline")
+             and p["a"] == ev.get("baseline") and p["b"] in final]
+    if pairs:
+        p = pairs[0]
+        w = p["judge"]["win_rate"]
+        lines.append(f"evaluation ({p['decoding']} answers): {p['b']} over {p['a']} {w['value']:.3f} "
+                     f"[{w['ci'][0]:.3f}, {w['ci'][1]:.3f}], {verdict(w)}")
+    return lines
+
+
 def build_html(output_dir: str | os.PathLike) -> tuple[str, int]:
     """The report of ``output_dir`` as one HTML string, and the number of charts in it."""
     import plotly
@@ -518,7 +544,8 @@ def build_html(output_dir: str | os.PathLike) -> tuple[str, int]:
            f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
            f"<h1>chatrl run report</h1><p class=\"sub\">{_esc(Path(output_dir).resolve())} · written {when} · "
            f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.report {_esc(output_dir)}</code></p>"
-           f"<h2>Correctness certificate</h2>{_certificates_html(runs)}"
+           + "".join(f'<p class="verdict"><b>{_esc(line)}</b></p>' for line in verdict_lines(runs, find_eval(output_dir)))
+           + f"<h2>Correctness certificate</h2>{_certificates_html(runs)}"
            f"<h2>Run-health alerts</h2>{_alerts_html(runs)}{''.join(sections)}{evaluation}</body></html>")
     return doc, n_charts
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from chatrl.alerts import ALERT_PREFIX, AlertMonitor, format_alert
@@ -33,40 +34,115 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+#: A step-3 trend compares the mean of the first ``TREND_FIRST`` logged steps (the policy before it has
+#: moved much) with the mean of the last ``TREND_LAST`` (the level it ends at, less noisy than one step).
+TREND_FIRST, TREND_LAST = 5, 10
+
+
+@dataclass(frozen=True)
+class StepTrend:
+    """How a per-step figure moved over a run (:func:`step_trend`).
+
+    Attributes:
+        start: mean of the first ``first`` finite values. end: mean of the last ``last`` (None with one value).
+        first, last: the two windows' sizes in logged steps (disjoint).
+        noise: two standard errors of ``end - start`` (``2 sqrt(s₁²/first + s₂²/last)``, the sample
+            variances of the two windows, the steps' batches taken as independent); None when a window
+            holds a single value.
+    """
+
+    start: float
+    end: float | None
+    first: int
+    last: int
+    noise: float | None
+
+    @property
+    def verdict(self) -> str | None:
+        """"rose" or "fell" when ``end - start`` exceeds :attr:`noise`, else "no change beyond noise";
+        None when the noise is unknown (too few steps)."""
+        if self.end is None or self.noise is None:
+            return None
+        change = self.end - self.start
+        return "no change beyond noise" if abs(change) <= self.noise else "rose" if change > 0 else "fell"
+
+    def text(self, fmt: str) -> str:
+        """``"0.128 → 0.120"`` (``fmt`` formats one value), the start alone with one value."""
+        return fmt.format(self.start) + ("" if self.end is None else f" → {fmt.format(self.end)}")
+
+    @property
+    def definition(self) -> str:
+        """The windows in words: ``"mean of the first 5 steps → of the last 10"``."""
+        if self.end is None:
+            return "one step logged"
+        return f"mean of the first {self.first} step{'s' * (self.first > 1)} → of the last {self.last}"
+
+
+def step_trend(values) -> StepTrend | None:
+    """The trend of a per-step figure (step 3's score, its EOS rate): the one definition the console
+    (:func:`results_line`, :class:`Trend`), ``train.py``'s results, the run report and the README use.
+
+    The mean of the first ``min(TREND_FIRST, n // 2)`` finite values → the mean of the last
+    ``min(TREND_LAST, n - first)``, two disjoint windows (``n`` the number of finite values); with one
+    value, that value alone. Non-finite values are left out. None when there is none.
+    """
+    ys = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not ys:
+        return None
+    if len(ys) == 1:
+        return StepTrend(ys[0], None, 1, 0, None)
+    first = min(TREND_FIRST, len(ys) // 2)
+    last = min(TREND_LAST, len(ys) - first)
+    a, b = ys[:first], ys[-last:]
+
+    def var(xs: list[float]) -> float:
+        m = sum(xs) / len(xs)
+        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+    noise = 2 * math.sqrt(var(a) / first + var(b) / last) if first > 1 and last > 1 else None
+    return StepTrend(sum(a) / first, sum(b) / last, first, last, noise)
+
+
 # What a step's results line reports, in order: (metric, label, format, how). ``how``: "first→last"
-# (the first and the last logged value), "max", or "last".
+# (the first and the last logged value: evaluations before and after training), "trend" (a
+# per-step figure, :func:`step_trend`), "max", or "last".
 RESULTS = (
     ("eval/ppl", "eval perplexity", "{:.2f}", "first→last"),
     ("eval/accuracy", "eval accuracy", "{:.3f}", "first→last"),
     ("eval/rewards/accuracy", "eval accuracy", "{:.3f}", "first→last"),
     ("eval/eos_rate", "greedy answers ending their turn", "{:.1%}", "first→last"),
-    ("reward/score_mean", "score", "{:.3f}", "first→last"),
+    ("reward/score_mean", "score", "{:.3f}", "trend"),
     ("kl", "KL max", "{:.3f} nats", "max"),
-    ("eos_rate", "EOS rate", "{:.2f}", "first→last"),
+    ("eos_rate", "EOS rate", "{:.2f}", "trend"),
 )
 
 
 def results_line(rows: list[dict]) -> str:
     """One line of a step's results from its metrics rows (:func:`read_metrics`): eval perplexity,
-    accuracy and EOS checks before → after, step 3's score first → last, KL max, EOS rate first →
-    last (:data:`RESULTS`); non-finite values are left out. ``""`` when none is logged."""
-    parts = []
+    accuracy and EOS checks before → after, step 3's score and EOS rate as :func:`step_trend`s
+    with their verdicts and, once, the trend's windows, and its KL max (:data:`RESULTS`); non-finite
+    values are left out. ``""`` when none is logged."""
+    parts, windows = [], None
     for key, label, fmt, how in RESULTS:
         ys = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         if not ys:
             continue
         if how == "max":
             parts.append(f"{label} {fmt.format(max(ys))}")
+        elif how == "trend":
+            t = step_trend(ys)
+            parts.append(f"{label} {t.text(fmt)}" + (f" ({t.verdict})" if t.verdict else ""))
+            windows = t.definition if t.end is not None else windows
         elif how == "first→last" and len(ys) > 1:
             parts.append(f"{label} {fmt.format(ys[0])} → {fmt.format(ys[-1])}")
         else:
             parts.append(f"{label} {fmt.format(ys[-1])}")
-    return ", ".join(parts)
+    return ", ".join(parts) + (f"; trends: {windows}" if windows else "")
 
 
 class Trend:
     """The metrics rows of a running step, kept for a one-line trend on the console
-    (:func:`results_line`: step 3's score first → now, KL max, EOS rate first → now)."""
+    (:func:`results_line`: step 3's score and EOS rate as :func:`step_trend` so far, KL max)."""
 
     def __init__(self):
         self.rows: list[dict] = []
@@ -76,7 +152,8 @@ class Trend:
         self.rows.append({k: metrics[k] for k, *_ in RESULTS if k in metrics})
 
     def line(self, label: str) -> str:
-        """``label: score 0.126 → 0.142, KL max 0.880 nats, EOS rate 0.47 → 0.70``."""
+        """``label: score 0.126 → 0.142 (rose), KL max 0.880 nats, EOS rate 0.47 → 0.70 (rose); trends: mean
+        of the first 5 steps → of the last 10``."""
         return f"{label}: {results_line(self.rows) or 'nothing logged yet'}"
 
 

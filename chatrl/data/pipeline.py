@@ -60,6 +60,12 @@ class PhaseData:
     eval: TokenizedDataset
     report: SkipReport
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the eval split holds a row: a step evaluates only then (an empty split was said once
+        at build time, "training proceeds without evaluation"; nothing is evaluated on 0 rows, no NaN)."""
+        return len(self.eval) > 0
+
 
 def _add_rows(src: Source, rows, label: str, phase: int, tokenizer, max_seq_len: int, max_prompt_len: int,
               columns: Columns, report: SkipReport, all_turns: str = "auto") -> None:

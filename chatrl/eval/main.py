@@ -23,11 +23,13 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from chatrl import cli, config
+from chatrl.dist import place_threads_for_load
 from chatrl.errors import UsageError
 from chatrl.eval import ANSWERS_FILE, EVAL_FILE
 from chatrl.eval.answers import Reference, answer_prompts, decodings, encode_eval_prompts
@@ -107,6 +109,47 @@ def _prompt_budget(path: str, s: EvalSettings, trust_remote_code: bool) -> int:
     return window - r.max_answer_seq_len
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+class AnswerProgress:
+    """What the evaluation says while its models answer: after the first batch, how long all the answers
+    will take at that pace; then, every ``every_s`` seconds, how many are done and the time left (the
+    progress bar's job when it is shown: ``lines`` False). Called with the answers of each batch.
+
+    The estimate is the elapsed time per answer so far times the answers left (model loading between
+    models included once it has happened); the first batch holds the longest prompts, so the first
+    estimate errs long.
+
+    Args:
+        total: answers to generate. write: prints one line. lines: print the running lines.
+        clock: seconds (monotonic; a stand-in in tests). every_s: seconds between running lines.
+    """
+
+    def __init__(self, total: int, write: Callable[[str], None], lines: bool,
+                 clock: Callable[[], float] = time.monotonic, every_s: float = 30.0):
+        self.total, self.write, self.lines, self.clock, self.every_s = total, write, lines, clock, every_s
+        self.done, self.start = 0, clock()
+        self.last = self.start
+
+    def __call__(self, n: int) -> None:
+        """``n`` more answers are done."""
+        first = self.done == 0
+        self.done += n
+        now = self.clock()
+        elapsed = now - self.start
+        left = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        if first:
+            self.write(f"chatrl.eval: the first {self.done} answers took {_duration(elapsed)}: about "
+                       f"{_duration(elapsed / self.done * self.total)} for all {self.total} (then the judges)")
+            self.last = now
+        elif self.lines and (now - self.last >= self.every_s or self.done == self.total):
+            self.write(f"chatrl.eval: {self.done}/{self.total} answers ({self.done / self.total:.0%}) in "
+                       f"{_duration(elapsed)}" + (f", about {_duration(left)} left" if self.done < self.total else ""))
+            self.last = now
+
+
 def generate_all(s: EvalSettings, candidates, tokenizers, prompts, names, device) -> dict:
     """Every candidate's answers (:func:`chatrl.eval.answers.answer_prompts`), one model loaded at a time."""
     from tqdm.auto import tqdm
@@ -117,8 +160,16 @@ def generate_all(s: EvalSettings, candidates, tokenizers, prompts, names, device
     if e.reference:
         ref_tok = load_model_tokenizer(e.reference, "--reference", s.model.trust_remote_code)
         reference = Reference(e.reference, ref_tok, s.model.dtype, device, s.model.trust_remote_code)
-    bar = tqdm(total=len(candidates) * len(names) * len(prompts), desc="chatrl.eval: answering", unit="answer",
-               disable=e.disable_progress_bar, dynamic_ncols=True)
+    total = len(candidates) * len(names) * len(prompts)
+    bar = tqdm(total=total, desc="chatrl.eval: answering", unit="answer", disable=e.disable_progress_bar,
+               dynamic_ncols=True)
+    said = AnswerProgress(total, lambda line: bar.write(line) if not bar.disable else print(line, flush=True),
+                          lines=bool(bar.disable))
+
+    def progress(n: int) -> None:
+        bar.update(n)
+        said(n)
+
     out = {}
     for c in candidates:
         tok = tokenizers[c.label]
@@ -130,7 +181,7 @@ def generate_all(s: EvalSettings, candidates, tokenizers, prompts, names, device
                                   _prompt_budget(c.path, s, s.model.trust_remote_code))
         bar.set_postfix_str(c.label)
         out[c.label] = answer_prompts(model, tok, ids, names, sampling, s.rollout.per_device_generation_batch_size,
-                                      s.rollout.max_answer_seq_len, reference, bar.update)
+                                      s.rollout.max_answer_seq_len, reference, progress)
         del model
     bar.close()
     return out
@@ -230,8 +281,14 @@ def evaluate(s: EvalSettings) -> dict:
     prompts = load_prompts(e.prompts, e.prompts_schema, e.prompts_split, e.split_seed, e.eval_fraction,
                            e.max_prompts)
     device = torch.device(e.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(place_threads_for_load("chatrl.eval"), flush=True)
     print(f"chatrl.eval: {len(candidates)} models × {len(prompts)} prompts × {len(names)} decodings "
-          f"({', '.join(names)}) on {device}", flush=True)
+          f"({', '.join(names)}) = {len(candidates) * len(prompts) * len(names)} answers of up to "
+          f"{s.rollout.max_answer_seq_len} tokens on {device}; a time estimate follows the first batch", flush=True)
+    if not e.judge and len(candidates) > 1:
+        print("chatrl.eval: no --judge: the models' answers are compared by length, EOS rate, distinct-n and KL, "
+              "without a win rate ('-'); give --judge a reward model (step 2's output) or module:function",
+              flush=True)
     answers = generate_all(s, candidates, tokenizers, prompts, names, device)
     pairs, caches = judge_pairs(s, candidates, prompts, answers, names, device)
     figures = {c.label: model_figures(answers[c.label], names) for c in candidates}

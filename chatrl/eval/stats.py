@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WinRate", "bootstrap_win_rate", "distinct_n", "length_controlled", "outcome", "win_rate"]
+__all__ = ["LengthControlled", "WinRate", "bootstrap_win_rate", "distinct_n", "length_controlled", "outcome",
+           "win_rate"]
 
 
 def outcome(score_a: float, score_b: float, tie_margin: float = 0.0) -> float:
@@ -80,7 +81,7 @@ class WinRate:
 
     @property
     def within_noise(self) -> bool:
-        """Whether the interval holds 0.5: the data cannot tell B from A ("gain within noise")."""
+        """Whether the interval holds 0.5: the data cannot tell B from A ("difference within noise")."""
         return self.low <= 0.5 <= self.high
 
     def to_dict(self) -> dict:
@@ -144,8 +145,89 @@ def _fit_logistic(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, iters:
     return theta
 
 
+@dataclass(frozen=True)
+class LengthControlled:
+    """The length-controlled win rate and its bootstrap interval (:func:`length_controlled`).
+
+    Attributes:
+        value: the win rate predicted at equal length, or None when length explains the outcome
+            (the outcomes are ordered by length and the data cannot say what B scores at equal length).
+        low, high: the central ``level`` percentile bootstrap interval, resamples that cannot say it
+            counted at both ends (0 for ``low``, 1 for ``high``).
+        level: the interval's coverage (0.95).
+    """
+
+    value: float | None
+    low: float
+    high: float
+    level: float = 0.95
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the interval holds 0.5: at equal length the data cannot tell B from A."""
+        return self.low <= 0.5 <= self.high
+
+    @property
+    def length_explains(self) -> bool:
+        """Whether length alone explains the outcomes (no length-controlled figure)."""
+        return self.value is None
+
+    def to_dict(self) -> dict:
+        """JSON form: ``{"value" (None when length explains the outcome), "ci": [low, high], "within_noise",
+        "length_explains"}``."""
+        return {"value": self.value, "ci": [self.low, self.high], "within_noise": self.within_noise,
+                "length_explains": self.length_explains}
+
+
+def _masked(x: np.ndarray, mask: np.ndarray, fill: float, reduce) -> np.ndarray:
+    return reduce(np.where(mask, x, fill), axis=1)
+
+
+def _separated_by_length(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which weightings of the data leave the logistic fit of :func:`length_controlled` without a
+    maximum-likelihood estimate, and what such data says at equal length; several weightings at once.
+
+    The maximum-likelihood fit of ``P(B wins) = σ(a + b x)`` does not exist exactly when the outcomes are
+    separated (Albert & Anderson 1984): some direction ``(a, b) ≠ 0`` has ``a + b x ≥ 0`` at every win,
+    ``≤ 0`` at every loss and ``= 0`` at every soft outcome (a tie), strictly at one point at least; the
+    likelihood rises without bound along it, and a penalised fit is the penalty's choice, not the data's.
+    With ``b ≠ 0`` the direction is a threshold on ``x``: the wins on one side, the losses on the other,
+    the soft outcomes on it; a length rule reproduces every outcome, and the data cannot say what B
+    scores at equal length (any threshold in the gap fits, each with its own prediction at ``x = 0``):
+    NaN. With ``b = 0`` the outcome is unanimous: B wins every comparison (or loses every one); where
+    the comparisons reach both sides of equal length (``min x ≤ 0 ≤ max x``) it does so at every
+    length and the figure is 1 (or 0); where B is always the longer (or always the shorter) answer,
+    length could explain it as well: NaN.
+
+    Args:
+        x: ``(N,)`` length differences (any scale). y: ``(N,)`` outcomes in ``[0, 1]``.
+        w: ``(R, N)`` non-negative weights; a point with weight 0 is absent.
+
+    Returns:
+        ``(separated (R,) bool, value (R,))``: ``value`` is the figure where ``separated`` (NaN: length
+        explains the outcome).
+    """
+    act = w > 0
+    win, loss = act & (y == 1), act & (y == 0)
+    soft = act & (y > 0) & (y < 1)
+    inf = np.inf
+    max_l, min_l = _masked(x, loss, -inf, np.max), _masked(x, loss, inf, np.min)
+    max_w, min_w = _masked(x, win, -inf, np.max), _masked(x, win, inf, np.min)
+    max_s, min_s = _masked(x, soft, -inf, np.max), _masked(x, soft, inf, np.min)
+    lowest, highest = _masked(x, act, inf, np.min), _masked(x, act, -inf, np.max)
+    longer_wins = np.maximum(max_l, max_s) <= np.minimum(min_w, min_s)
+    shorter_wins = np.maximum(max_w, max_s) <= np.minimum(min_l, min_s)
+    # where every point has one x, a threshold through it separates nothing (only the intercept is fitted)
+    threshold = (highest > lowest) & (longer_wins | shorter_wins)
+    all_win, all_loss = ~(loss | soft).any(axis=1), ~(win | soft).any(axis=1)
+    unanimous = all_win | all_loss
+    both_sides = (lowest <= 0) & (0 <= highest)
+    value = np.where(unanimous & both_sides, np.where(all_win, 1.0, 0.0), np.nan)
+    return unanimous | threshold, value
+
+
 def length_controlled(outcomes, length_diff, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
-                      l2: float = 1e-2) -> WinRate:
+                      l2: float = 1e-2) -> LengthControlled:
     """The length-controlled win rate: the win rate a logistic regression of the outcome on the
     length difference predicts at equal length, with the same bootstrap as :func:`bootstrap_win_rate`.
 
@@ -153,12 +235,22 @@ def length_controlled(outcomes, length_diff, n_boot: int = 1000, seed: int = 0, 
     (the judge reads text: characters mean the same for every tokenizer), ``s`` the root mean square
     of ``Δ`` (a scale only, so that one penalty fits every unit; 1 when all ``Δ`` are 0). Fitted to
     the soft outcomes (ties as 0.5) by penalised maximum likelihood (:func:`_fit_logistic`, ridge
-    ``l2 (a² + b²) / 2``, a weak prior that keeps separable data finite). The length-controlled win
+    ``l2 (a² + b²) / 2``, a weak prior that keeps the Newton steps finite). The length-controlled win
     rate is ``σ(a)``, the prediction at ``Δ = 0``. The idea is AlpacaEval 2's length-controlled win
     rate (Dubois et al. 2024, a GLM with a length term, read off at zero length difference) without its
     per-instruction and per-model terms. A win that comes from length alone moves toward 0.5; a win
-    at equal length stays. Swapping A and B flips ``y → 1 - y`` and ``Δ → -Δ``, so ``a → -a`` and the
-    figure mirrors. Resamples refit the model on the same prompt resamples as the win rate.
+    at equal length stays.
+
+    When length separates the outcomes (every win on one side of a length threshold, every loss on
+    the other: a judge that prefers the longer answer) the likelihood has no maximum, and the
+    penalised fit would report whatever the penalty makes of the imbalance of Δ (0.68 for a raw 0.73
+    with ``l2`` 0.01, 0.53 with 1e-4): ``value`` is None, length explains the outcome
+    (:func:`_separated_by_length`; a unanimous outcome is 1 or 0 where B also won, or lost, at the
+    other side of equal length, None where it was always the longer or always the shorter answer).
+    A bootstrap resample that cannot say counts as 0 for the interval's lower end and as 1 for its
+    upper end, so the interval holds every value the data allows. Swapping A and B flips ``y → 1 - y`` and ``Δ → -Δ``, so ``a → -a``, the separated
+    cases swap their ends, and the figure and its interval mirror. Resamples refit the model on the
+    same prompt resamples as the win rate.
 
     Args:
         outcomes: ``(n, k)`` values in ``[0, 1]``. length_diff: ``(n, k)`` length differences.
@@ -175,9 +267,15 @@ def length_controlled(outcomes, length_diff, n_boot: int = 1000, seed: int = 0, 
     scale = float(np.sqrt(np.mean(d ** 2))) or 1.0
     x = np.stack([np.ones(n * k), d.reshape(-1) / scale], axis=1)
     counts = np.concatenate([np.ones((1, n)), _resample_counts(n, n_boot, seed)])  # row 0: the data itself
-    theta = _fit_logistic(x, y.reshape(-1), np.repeat(counts, k, axis=1), l2)
+    weights = np.repeat(counts, k, axis=1)
+    theta = _fit_logistic(x, y.reshape(-1), weights, l2)
     fits = 1.0 / (1.0 + np.exp(-theta[:, 0]))
-    return WinRate(float(fits[0]), *_percentile_interval(fits[1:], level), level=level)
+    separated, limit = _separated_by_length(x[:, 1], y.reshape(-1), weights)
+    fits = np.where(separated, limit, fits)
+    value = None if np.isnan(fits[0]) else float(fits[0])
+    low, _ = _percentile_interval(np.nan_to_num(fits[1:], nan=0.0), level)
+    _, high = _percentile_interval(np.nan_to_num(fits[1:], nan=1.0), level)
+    return LengthControlled(value, low, high, level=level)
 
 
 def distinct_n(texts: Sequence[str], n: int) -> float:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from chatrl.eval import NO_JUDGE, length_controlled_text, verdict
 from chatrl.eval.answers import GREEDY, Answer
 from chatrl.eval.inputs import Candidate
 from chatrl.eval.judges import compare
@@ -71,7 +72,9 @@ def pair_outcomes(judge, prompts, answers: dict, a: str, b: str, members: Sequen
 
 def judged(outcomes: np.ndarray, diffs: np.ndarray, n_boot: int, seed: int, level: float) -> dict:
     """One judge's figures of a pair: ``{"win_rate", "length_controlled"}`` (each ``{"value", "ci",
-    "within_noise"}``, :meth:`chatrl.eval.stats.WinRate.to_dict`) and ``"ties"`` (share of outcomes 0.5)."""
+    "within_noise"}``, :meth:`chatrl.eval.stats.WinRate.to_dict`; the length-controlled one's value None
+    with ``"length_explains": true`` when length explains the outcome,
+    :meth:`chatrl.eval.stats.LengthControlled.to_dict`) and ``"ties"`` (share of outcomes 0.5)."""
     return {"win_rate": bootstrap_win_rate(outcomes, n_boot, seed, level).to_dict(),
             "length_controlled": length_controlled(outcomes, diffs, n_boot, seed, level).to_dict(),
             "ties": float(np.mean(outcomes == 0.5))}
@@ -146,12 +149,9 @@ def format_table(result: dict) -> str:
     for p in result["pairs"]:
         fa, fb = fig[p["a"]][p["decoding"]], fig[p["b"]][p["decoding"]]
         judge = p.get("judge")
-        note = ""
-        if judge is not None:
-            note = "gain within noise" if judge["win_rate"]["within_noise"] else (
-                "B better" if judge["win_rate"]["value"] > 0.5 else "A better")
+        note = NO_JUDGE if judge is None else verdict(judge["win_rate"])
         rows.append([f"{p['b']} vs {p['a']}", p["decoding"], _rate(judge),
-                     _fmt(judge["length_controlled"]["value"]) if judge else "-",
+                     length_controlled_text(judge["length_controlled"]) if judge else "-",
                      *([_rate(p.get("gold"))] if has_gold else []),
                      f"{_fmt(fb['length_tokens'], '.1f')}/{_fmt(fa['length_tokens'], '.1f')}",
                      f"{_fmt(fb['eos_rate'], '.2f')}/{_fmt(fa['eos_rate'], '.2f')}",

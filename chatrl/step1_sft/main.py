@@ -162,7 +162,7 @@ def run(argv: list[str] | None = None) -> dict:
         evidence.cert.restore(resumed.get("certificate"))
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
-    else:
+    elif data.evaluates:  # else the data layer said once that training proceeds without evaluation
         metrics = evaluate(engine, data.eval, collate, s.batch, info)
         tracker.log(metrics, step=0)
         tracker.write(f"eval before training: loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
@@ -204,7 +204,8 @@ def run(argv: list[str] | None = None) -> dict:
                              "train/tokens": n_global, "train/samples_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
-            if (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps:
+            due = (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps
+            if due and data.evaluates:
                 metrics = evaluate(engine, data.eval, collate, s.batch, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
@@ -216,7 +217,7 @@ def run(argv: list[str] | None = None) -> dict:
             return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
     evidence.finish(step)
 
-    if s.eos_check.eval_eos_samples:
+    if s.eos_check.eval_eos_samples and data.evaluates:  # the EOS check reads the eval split's prompts
         rate = eos_rate(engine, eval_prompts(data.eval, s.eos_check.eval_eos_samples), tokenizer,
                         s.eos_check.eval_max_new_tokens, s.zero.zero_stage, info)
         metrics["eval/eos_rate"] = rate

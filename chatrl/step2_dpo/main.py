@@ -246,7 +246,7 @@ def run(argv: list[str] | None = None) -> dict:
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
-    else:
+    elif data.evaluates:  # else the data layer said once that training proceeds without evaluation
         metrics = evaluate(engine, reference, s.dpo, eval_pairs, collate, s.batch, info)
         if eos.eval_eos_samples:  # the same prompts as the check at the end: the share before vs after DPO
             metrics["eval/eos_rate"] = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer,
@@ -256,6 +256,8 @@ def run(argv: list[str] | None = None) -> dict:
         tracker.write(f"eval before training: {describe(metrics)}"
                       + (f", greedy answers ending in EOS {metrics['eval/eos_rate']:.1%}" if eos.eval_eos_samples
                          else ""))
+    else:
+        metrics, initial = {}, {}
     tracker.bar(total_steps, "step 2 DPO", initial=step)
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
@@ -296,7 +298,8 @@ def run(argv: list[str] | None = None) -> dict:
                              "train/pairs_per_s": (step - first_step) * batch.global_batch / (time.time() - t0)},
                             step)
             epoch_end = step % steps_per_epoch == 0
-            if (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps:
+            due = (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps
+            if due and data.evaluates:
                 metrics = evaluate(engine, reference, s.dpo, eval_pairs, collate, s.batch, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe(metrics)}")
@@ -311,7 +314,7 @@ def run(argv: list[str] | None = None) -> dict:
                     "settings": s}
     evidence.finish(step)
 
-    if eos.eval_eos_samples:
+    if eos.eval_eos_samples and data.evaluates:  # the EOS check reads the eval split's prompts
         rate = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer, eos.eval_max_new_tokens,
                         s.zero.zero_stage, info)
         metrics["eval/eos_rate"] = rate

@@ -184,11 +184,13 @@ def run(argv: list[str] | None = None) -> dict:
         metrics = dict(initial)
         tracker.resumed_at(step)
         tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
-    else:
+    elif data.evaluates:  # else the data layer said once that training proceeds without evaluation
         metrics = evaluate(engine, data.eval, collate, s.batch, info)
         initial = dict(metrics)
         tracker.log(metrics, step=0)
         tracker.write(f"eval before training: {describe_eval(metrics)}")
+    else:
+        metrics, initial = {}, {}
     tracker.bar(total_steps, "step 2 reward model", initial=step)
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
@@ -229,7 +231,8 @@ def run(argv: list[str] | None = None) -> dict:
                              "train/skipped_steps": ckpt.skipped, "train/pairs_per_s":
                              (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
             epoch_end = step % steps_per_epoch == 0
-            if (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps:
+            due = (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps
+            if due and data.evaluates:
                 metrics = evaluate(engine, data.eval, collate, s.batch, info)
                 tracker.log(metrics, step)
                 tracker.write(f"step {step}: eval {describe_eval(metrics)}")

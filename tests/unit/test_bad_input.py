@@ -8,6 +8,7 @@ names the existing tests that cover the rest.
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -385,7 +386,32 @@ def test_empty_eval_split_is_cached_like_the_uncached_build_and_training_proceed
     assert "training proceeds without evaluation" in proc.stdout + proc.stderr
     rows = [json.loads(x) for x in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1]
-    assert all(r["eval/tokens"] == 0 for r in rows if "eval/tokens" in r)
+    assert not [k for r in rows for k in r if k.startswith("eval/")]  # nothing evaluated on 0 rows
+
+
+@pytest.mark.parametrize("program", ["chatrl.step2_reward", "chatrl.step2_dpo"])
+def test_a_three_row_data_set_for_step_2_trains_without_evaluating_on_0_pairs(tmp_path, program):
+    """3 pairs under the default --data_split 2,4,4: step 2's part is 1 pair and none is held out. Step 2
+    says once that it trains without
+    evaluation, and then does: no evaluation on 0 pairs, no NaN accuracy, no NaN alert; DPO likewise. (It used to
+    print "eval before training: accuracy nan … (0 pairs)", log eval/accuracy NaN at steps 0 and 1,
+    fire the nonfinite alert and exit 0.)"""
+    from tests.launch import run_ranks
+
+    data = write_lines(tmp_path / "pairs.jsonl", [pair(i) for i in range(3)])
+    proc = run_ranks(["-m", program, "--model_name_or_path", str(STORIES), "--data_path", data,
+                      "--data_output_path", str(tmp_path / "cache"), "--max_seq_len", "64", "--per_device_train_batch_size", "2",
+                      "--max_steps", "1", "--output_dir", str(tmp_path / "out"), "--disable_progress_bar"],
+                     nprocs=1, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert text.count("training proceeds without evaluation") == 1, text[-3000:]
+    assert "eval before training" not in text and "nan" not in text.lower() and "nonfinite" not in text, text[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1]
+    assert not [k for r in rows for k in r if k.startswith(("eval/", "alert/"))]
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    marker = json.loads((tmp_path / "out" / "chatrl_run.json").read_text())
+    assert marker["metrics"] == {} and marker["initial_metrics"] == {}
 
 
 # 22 ----------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 test of thousands of random and hostile call strings: no crash, no hang, no exception), the
 guessing game, loading an environment by name, and the episode loop's ids and masks, token by
 token, for a two-tool-call episode (trained ids = sampled ids; the episode = sampled ids +
-observation ids, exactly what step 1 trains for the same conversation)."""
+observation ids, exactly what step 1 trains for the same conversation), and the tool chat's ids
+(the template's rendering of its messages after every turn, however an answer ended)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 
+from chatrl.conversation import ToolSession
 from chatrl.data.formatting import encode_example
 from chatrl.data.turns import encode_conversation, observation_ids
 from chatrl.envs import EnvError, check_step, load_environment
@@ -269,3 +271,47 @@ def test_an_environment_error_is_an_env_error():
         run_episodes(ScriptedSampler([[stop_token_ids(tok)[0]]], tok.pad_token_id, 2), tok, Broken,
                      [{"messages": [{"role": "user", "content": "x"}], "metadata": {}, "seed": 0}], max_turns=2,
                      max_prompt_len=16, max_total_tokens=64, stop_ids=stop_token_ids(tok), device="cpu")
+
+
+# ----------------------------------------------------------------------------- the tool chat (chat.py --env)
+
+
+@pytest.mark.parametrize("tok_name", ["qwen2", "stories260K"])
+def test_tool_chat_ids_are_the_templates_rendering_after_every_turn_however_a_reply_ended(tok_name):
+    tok = load_tokenizer(str(TOKENIZERS / "qwen2" if tok_name == "qwen2" else STORIES), padding_side="left")
+    stops = stop_token_ids(tok)
+    eot = stops[0]
+    session = ToolSession(tok, load_environment("calculator"), max_turns=4, stop_ids=stops)
+
+    def rendered(generation_prompt: bool) -> list[int]:
+        return encode_conversation(tok, session.messages, generation_prompt=generation_prompt).ids
+
+    def content_ids(text: str) -> list[int]:  # the answer's canonical ids, without its end-of-turn token
+        ids = encode_example(tok, session.messages, text)[1]
+        assert ids[-1] == eot
+        return ids[:-1]
+
+    # a tool call ended by the end-of-turn token, its observation, then a reply cut by the token budget
+    assert session.user("What is 12*34?") == rendered(True)
+    assert session.answer(content_ids("<calc>12*34</calc>") + [eot]) == [{"role": "tool", "content": "408"}]
+    assert session.ids.ids == rendered(True)
+    cut = content_ids("It is four hundred")
+    assert session.answer(cut) is None
+    assert session.messages[-1]["content"] == "It is four hundred"
+    assert session.ids.ids == rendered(False)  # the cut reply is closed: ... four hundred<eot>
+    assert session.ids.ids[-len(cut) - 1:] == cut + [eot]
+    # the next user turn follows a closed turn
+    assert session.user("and 2+2?") == rendered(True)
+    # a reply ended by a stop id that is not the end-of-turn token (ChatML's <|endoftext|>, stories260K's
+    # declared BOS): that id is replaced by the end-of-turn token
+    others = [i for i in stops if i != eot]
+    if others:
+        four = content_ids("4")
+        assert session.answer(four + [others[0]] + four) is None  # ids after the stop are dropped
+        assert session.messages[-1]["content"] == "4"
+        assert session.ids.ids == rendered(False) and session.ids.ids[-len(four) - 1:] == four + [eot]
+        assert session.user("thanks") == rendered(True)
+    # a whole reply ended by the end-of-turn token is kept as sampled
+    done = content_ids("You are welcome")
+    assert session.answer(done + [eot] + done) is None
+    assert session.ids.ids == rendered(False) and session.ids.ids[-len(done) - 1:] == done + [eot]

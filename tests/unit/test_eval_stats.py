@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from chatrl.eval import verdict
 from chatrl.eval.judges import compare
 from chatrl.eval.stats import bootstrap_win_rate, distinct_n, length_controlled, outcome, win_rate
 from chatrl.eval.summary import format_table, over_optimisation, pair_list
@@ -86,21 +87,42 @@ class LengthJudge:
         return [float(len(a)) for a in answers]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_length_controlled_win_rate_moves_to_half_when_the_judge_rewards_length_alone(seed):
-    """B's answers are 10 characters longer on average and the judge rewards length alone: B wins about
-    0.7 of the comparisons, but at equal length it has no advantage, and the length-controlled win rate
-    says so (its interval holds 0.5 and it sits far closer to 0.5 than the raw win rate)."""
+def length_only(n: int, seed: int):
+    """``n`` comparisons of A's answers (20-59 characters) and B's (30-69, 10 longer on average) by a judge
+    that rewards length alone: ``(outcomes (n, 1), length differences (n, 1))``."""
     rng = np.random.default_rng(seed)
-    n = 300
     a = ["x" * k for k in rng.integers(20, 60, n)]
     b = ["y" * k for k in rng.integers(30, 70, n)]
-    prompts = [({"role": "user", "content": "q"},)] * n
-    y = compare(LengthJudge(), prompts, a, b)[:, None]
     d = np.array([len(z) - len(x) for x, z in zip(a, b, strict=True)], dtype=float)[:, None]
+    prompts = [({"role": "user", "content": "q"},)] * n
+    return compare(LengthJudge(), prompts, a, b)[:, None], d
+
+
+@pytest.mark.parametrize("n,seed", [(120, 1), (120, 3), (300, 0), (300, 1), (300, 2), (300, 3)])
+def test_a_win_that_length_alone_explains_is_reported_as_such(n, seed):
+    """B's answers are 10 characters longer on average and the judge prefers the longer answer: B wins about
+    0.7 of the comparisons, but at equal length it has no advantage. The outcomes are separated by length
+    (no maximum-likelihood fit exists), so no length-controlled figure is given: length explains the
+    outcome, and the interval [0, 1] holds 0.5. (A ridge-penalised fit gave 0.660 [0.532, 0.802] for
+    n 120 seed 1 and 0.676 [0.566, 0.798] for seed 3: a length-only win called significant.)"""
+    y, d = length_only(n, seed)
     raw, lc = bootstrap_win_rate(y), length_controlled(y, d)
     assert raw.value > 0.65 and not raw.within_noise
-    assert lc.within_noise and abs(lc.value - 0.5) < 0.4 * abs(raw.value - 0.5), (raw, lc)  # seen: 0.02-0.33
+    assert lc.length_explains and lc.value is None and (lc.low, lc.high) == (0.0, 1.0) and lc.within_noise
+    assert lc.to_dict() == {"value": None, "ci": [0.0, 1.0], "within_noise": True, "length_explains": True}
+    mirrored = length_controlled(1 - y, -d)  # a judge that prefers the shorter answer, the models swapped
+    assert mirrored.length_explains and (mirrored.low, mirrored.high) == (0.0, 1.0)
+
+
+def test_a_unanimous_win_is_length_controlled_only_where_b_also_won_when_shorter():
+    y = np.ones((40, 1))
+    both = np.linspace(-20, 20, 40)[:, None]  # B also shorter in half the comparisons: it wins at every length
+    lc = length_controlled(y, both, n_boot=200)
+    assert (lc.value, lc.low, lc.high, lc.length_explains) == (1.0, 1.0, 1.0, False)
+    assert length_controlled(1 - y, -both, n_boot=200).value == 0.0
+    longer = np.linspace(1, 40, 40)[:, None]  # B always the longer answer: length could explain it as well
+    lc = length_controlled(y, longer, n_boot=200)
+    assert lc.length_explains and (lc.low, lc.high) == (0.0, 1.0)
 
 
 def test_length_controlled_keeps_a_gain_at_equal_length():
@@ -141,4 +163,14 @@ def test_pairs_and_the_table():
              "length_controlled": {"value": 0.5, "ci": [0.4, 0.6], "within_noise": True}, "ties": 1.0}
     table = format_table({"figures": {"a": {"greedy": fig}, "b": {"greedy": fig}},
                           "pairs": [{"a": "a", "b": "b", "decoding": "greedy", "judge": judge}]})
-    assert "b vs a" in table and "0.500 [0.400, 0.600]" in table and "gain within noise" in table
+    assert "b vs a" in table and "0.500 [0.400, 0.600]" in table and "difference within noise" in table
+    # a loss within noise is not called a gain; a win that length explains has no length-controlled figure
+    loss = {"win_rate": {"value": 0.417, "ci": [0.32, 0.51], "within_noise": True},
+            "length_controlled": {"value": None, "ci": [0.0, 1.0], "within_noise": True, "length_explains": True},
+            "ties": 0.0}
+    table = format_table({"figures": {"a": {"greedy": fig}, "b": {"greedy": fig}},
+                          "pairs": [{"a": "a", "b": "b", "decoding": "greedy", "judge": loss}]})
+    assert "0.417 [0.320, 0.510]" in table and "gain" not in table and "difference within noise" in table
+    assert "length explains the outcome" in table
+    assert verdict({"value": 0.417, "within_noise": False}) == "A better"
+    assert verdict({"value": 0.6, "within_noise": False}) == "B better"

@@ -82,8 +82,11 @@ def test_report_of_a_three_step_output(tmp_path):
     assert heads["eval perplexity"] == "20.09 → 9.97"
     assert heads["greedy answers ending with EOS"] == "87.5%"
     assert heads["reward model eval accuracy (chosen > rejected)"] == "0.450 → 0.610"
-    # score mean of steps 1-3: 0.22; of steps 3-12: 0.275
-    assert heads["score: the weighted reward (mean of the first 3 steps → of the last 10)"] == "0.220 → 0.275"
+    # step 3's trends as the console tells them (chatrl.tracking.step_trend): score mean of steps 1-5 0.23,
+    # of steps 6-12 0.29; EOS rate 0.9 → (0.9 + 6 × 0.1) / 7
+    assert heads["score: the weighted reward (mean of the first 5 steps → of the last 7)"] == "0.230 → 0.290 (rose)"
+    assert heads["answers ending with EOS (mean of the first 5 steps → of the last 7)"] == "90.0% → 21.4% (fell)"
+    assert heads["KL to the reference, nats per answer (last 7 steps)"] == "0.900"  # mean of 0.6 ... 1.2
     assert heads["time split (logged per-step timers)"] == "generate 75%, train 25%"  # 6 × (3 + 3.3) against 6 × (1 + 1.1)
     assert heads["constant over the run (not charted)"] == "reward/mean = 0.2, reward/score_std = 0.1"
     assert dict(headlines(s3))["state"].startswith("unfinished") and dict(headlines(s2))["state"] == "finished"
@@ -94,6 +97,9 @@ def test_report_of_a_three_step_output(tmp_path):
     assert f'<meta name="chatrl-charts" content="{n_charts}">' in doc
     assert doc.count('class="chart"') == n_charts
     assert "eos_collapse" in doc and "EOS rate 0.37" in doc  # listed at the top with its figure
+    # the verdict on step 3 first, in the console's words
+    verdict = "score 0.230 → 0.290, rose; EOS rate 0.90 → 0.21, fell (mean of the first 5 steps → of the last 7)"
+    assert verdict in doc and doc.index(verdict) < doc.index("Correctness certificate")
     # the certificates on top: every property with figure, bound and result; the failed one marked
     assert doc.index("Correctness certificate") < doc.index("Run-health alerts") < doc.index('id="step1_actor"')
     assert doc.count('<tr class="pass">') == 2 and doc.count('<tr class="fail">') == 1
@@ -237,6 +243,6 @@ def test_report_has_an_evaluation_section(tmp_path):
     doc, charts = build_html(out)
     assert charts == before + 1 and 'id="chart-eval-frontier"' in doc
     section = doc[doc.index('<section id="evaluation">'):]
-    assert "<b>0.550</b> [0.450, 0.650]" in section and section.count("gain within noise") == 2
+    assert "<b>0.550</b> [0.450, 0.650]" in section and section.count("difference within noise") == 2
     assert "over-optimisation check (r)" in section and "&lt;b&gt;hi&lt;/b&gt;" in section
     assert "judge +0.200" in section and "gold peak" in section
