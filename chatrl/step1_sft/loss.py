@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatrl.logprobs import IGNORE_INDEX
+from chatrl.logprobs import IGNORE_INDEX, token_logprobs
 from chatrl.models import labelled_token_logits
 from chatrl.packing import PackedRows
 
@@ -41,7 +41,9 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             labels: torch.Tensor, packed: PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_nll` of ``model`` on a batch, with the LM head run on the labelled positions only
-    (:func:`chatrl.models.labelled_token_logits`; the same sum up to float32 rounding).
+    (:func:`chatrl.models.labelled_token_logits`) and the log-probs taken a few positions at a time
+    (:func:`chatrl.logprobs.token_logprobs`: no ``(N, V)`` float32 copy of the logits, which for a
+    49K vocabulary in bf16 would be the step's largest tensor); the same sum up to float32 rounding.
 
     Args:
         model: an HF causal LM, possibly under a DeepSpeed engine or peft wrapper.
@@ -54,4 +56,6 @@ def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         ``(nll_sum, n_tokens)``: a scalar float32 tensor (nats) and a scalar long tensor.
     """
     logits, targets = labelled_token_logits(model, input_ids, attention_mask, labels, IGNORE_INDEX, packed)
-    return F.cross_entropy(logits.float(), targets, reduction="sum"), labels.new_tensor(targets.numel())
+    # a few positions at a time (token_logprobs): never an (N, V) float32 copy of a bf16 head's logits
+    nll = -token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0)).sum()
+    return nll, labels.new_tensor(targets.numel())

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from chatrl.data.collate import PackedPairCollator, PairCollator, pad_sequences, to_device
+from chatrl.logprobs import token_logprobs
 from chatrl.models import token_logits_at
 
 
@@ -81,8 +81,8 @@ def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.
 
     The LM head runs on the ``M`` positions that predict an answer token only
     (:func:`chatrl.models.token_logits_at`): a pair's prompt, most of its tokens on chat data, needs
-    no vocabulary projection, so the step's largest matmul and its ``(M, V)`` float32 log-softmax
-    shrink with it. The numbers are :func:`chatrl.step2_dpo.loss.answer_logps` over full logits,
+    no vocabulary projection, so the step's largest matmul shrinks with it; the log-probs are taken a
+    few positions at a time (:func:`chatrl.logprobs.token_logprobs`), never as an ``(M, V)`` float32 copy. The numbers are :func:`chatrl.step2_dpo.loss.answer_logps` over full logits,
     padded or packed (``tests/unit/test_dpo_loss.py``); a sequence's first token is never scored
     (nothing predicts it).
     """
@@ -96,7 +96,7 @@ def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.
         rows, cols = b["answer_mask"][:, 1:].nonzero(as_tuple=True)
         seq, n, ids = rows, b["input_ids"].shape[0], b["input_ids"]
     logits = token_logits_at(model, rows, cols, b["input_ids"], b["attention_mask"], packed)
-    token_logp = -F.cross_entropy(logits.float(), ids[rows, cols + 1], reduction="none")
+    token_logp = token_logprobs(logits.unsqueeze(0), ids[rows, cols + 1].unsqueeze(0)).squeeze(0)  # chunked, fp32
     return token_logp.new_zeros(n).index_add(0, seq, token_logp), torch.bincount(seq, minlength=n)
 
 
