@@ -66,6 +66,10 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer, max_norm: float = 0.0
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return inner(*args, **kwargs)
 
+    if hasattr(inner, "_wrapped_by_lr_sched"):
+        # a learning-rate schedule built on this optimizer tracks its steps through ``inner``, which this
+        # step still calls; say so, or torch warns at the schedule's first step that step() was overridden
+        step._wrapped_by_lr_sched = True
     optimizer.step = step
     optimizer.overflow = False
     return optimizer
