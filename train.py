@@ -500,6 +500,15 @@ def check_step_flags(step: int, name: str, parser, argv: list[str]) -> None:
         parser.raise_errors = False
 
 
+def user_flags_win(a: PipelineConfig, presets: Presets) -> None:
+    """A flag the user gives wins over the preset's value, in place: ``--data-path`` replaces every
+    step's data (step 1's extra SFT data included); ``--actor-model`` and ``--reward-model`` are read
+    by :func:`plan`."""
+    if a.data_path:
+        for s in (1, 2, 3):
+            presets[s]["data_path"] = list(a.data_path)
+
+
 def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) -> Pipeline:
     """train.py's whole plan from its command line, nothing launched: the steps, their programs and
     checked command lines, the launcher.
@@ -520,6 +529,10 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
     settings: PipelineSettings = config.read(PipelineSettings, parser.parse_args(raw))
     a = settings.pipeline
     out = Path(a.output_dir).resolve()
+    for entry in a.data_path or []:  # refused here, in one line, before any step starts
+        path = entry.split("[", 1)[0] if entry.endswith("]") else entry
+        if cli.looks_local(path) and not Path(path).expanduser().exists():
+            raise SystemExit(f"train.py: --data-path {entry}: no such file or folder")
     steps, rl_flags, skip2 = plan_pipeline(settings)
     deployment = a.deployment_type
     if a.preset == "demo":
@@ -529,6 +542,9 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
                                  "(set CHATRL_SHARED to the shared/ folder)")
         actor, reward, presets = demo_plan(out)
         deployment = "cpu"
+        user_flags_win(a, presets)
+        actor = resolve_model(a.actor_model) if a.actor_model else actor
+        reward = resolve_model(a.reward_model) if a.reward_model else reward
         for s, stages in {1: {"zero_stage": a.actor_zero_stage}, 2: {"zero_stage": a.reward_zero_stage},
                           3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}}.items():
             presets[s].update({k: v for k, v in stages.items() if v is not None})  # explicit stages win

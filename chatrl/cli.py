@@ -35,7 +35,9 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".gz")
 DATA_FLAGS = ("data_path", "eval_data_path", "unsupervised_dataset_name")
 
 
-def _looks_local(entry: str) -> bool:
+def looks_local(entry: str) -> bool:
+    """Whether a data entry names a local path (starts with ``/``, ``.`` or ``~``, or ends with a data
+    file's suffix) rather than a hub data set."""
     return entry.startswith(("/", ".", "~")) or entry.endswith(DATA_SUFFIXES)
 
 
@@ -105,7 +107,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     for flag in DATA_FLAGS:
         for entry in getattr(args, flag, None) or []:
             path = entry.split("[", 1)[0] if entry.endswith("]") else entry
-            if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+            if looks_local(path) and not os.path.exists(os.path.expanduser(path)):
                 parser.error(f"--{flag} {entry}: no such file or folder")
     if getattr(args, "save_total_limit", 1) < 1:
         parser.error(f"--save_total_limit must be >= 1 (the newest checkpoint is always kept), got {args.save_total_limit}")

@@ -289,3 +289,19 @@ def test_train_py_dtype_auto_by_default_the_demo_pins_fp32_and_a_given_dtype_win
     own = ["--actor-model", str(STORIES), "--reward-model", str(STORIES), "--deployment-type", "cpu",
            "--data-path", str(DATA / "hh-rlhf" / "helpful-base"), *out]
     assert dtypes(own) == {1: "auto", 2: "auto", 3: "auto"}  # each step resolves it and prints its choice
+
+
+def test_a_data_path_given_with_the_demo_preset_wins_and_a_missing_one_is_refused(tmp_path):
+    """`train.py --preset demo --data-path X` ran the whole demo on the preset's data without a word,
+    even with a misspelt X; the user's --data-path now feeds every step, and one that does not exist
+    is refused in one line before any step starts."""
+    rows = tmp_path / "mine.jsonl"
+    rows.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    out = ["--output-dir", str(tmp_path / "o")]
+    runs = train.plan(["--preset", "demo", *out, "--data-path", str(rows)]).runs
+    for r in runs:
+        i = r.argv.index("--data_path")
+        assert r.argv[i + 1:i + 3] == [str(rows), "--data_split"], (r.step, r.argv[i:i + 4])
+    with pytest.raises(SystemExit) as e:
+        train.plan(["--preset", "demo", *out, "--data-path", str(tmp_path / "mine.jsonl.gz")])
+    assert str(e.value) == f"train.py: --data-path {tmp_path / 'mine.jsonl.gz'}: no such file or folder"
