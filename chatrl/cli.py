@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from chatrl.checkpoint import COMPLETE
+from chatrl.checkpoint import COMPLETE, RUN_MARKER, list_checkpoints
 
 
 def normalize_argv(argv: list[str], known: set[str] | None = None) -> list[str]:
@@ -99,7 +99,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     """Parse ``argv`` (default ``sys.argv[1:]``) after :func:`normalize_argv`.
 
     Local data entries (a path, or a name with a data-file suffix) that do not exist are refused
-    here, with one line naming the flag, before any rank starts loading models.
+    here, with one line naming the flag, before any rank starts loading models; so is an
+    ``--output_dir`` that holds a finished run, or the checkpoints of an unfinished one, when the
+    command says neither ``--resume`` nor ``--overwrite_output_dir`` (a rerun would overwrite them).
     """
     import sys
 
@@ -115,6 +117,16 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
         parser.error(f"--save_interval must be >= 0 (0: no checkpoints), got {args.save_interval}")
     if getattr(args, "save_hf_interval", 0) < 0:
         parser.error(f"--save_hf_interval must be >= 0 (0: no snapshots), got {args.save_hf_interval}")
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir and hasattr(args, "resume") and not getattr(args, "overwrite_output_dir", False):
+        if os.path.isfile(os.path.join(output_dir, RUN_MARKER)):
+            parser.error(f"--output_dir {output_dir} already holds a finished run ({RUN_MARKER}); pass "
+                         "--overwrite_output_dir to replace it or choose another --output_dir")
+        found = list_checkpoints(output_dir)
+        if found and not args.resume and not args.resume_from_checkpoint:
+            parser.error(f"--output_dir {output_dir} holds the checkpoints of an unfinished run (newest: "
+                         f"{found[-1].name}); add --resume to continue from it, or --overwrite_output_dir to "
+                         "start afresh")
     resume_from = getattr(args, "resume_from_checkpoint", None)
     if resume_from and not os.path.isdir(resume_from):
         parser.error(f"--resume_from_checkpoint {resume_from}: no such folder")

@@ -172,6 +172,35 @@ def interrupted_message() -> str:
     return f"chatrl: interrupted (Ctrl-C) in {where} after optimizer step {n}; {saved}; {how}"
 
 
+def stop_on_ctrl_c() -> None:
+    """Make Ctrl-C under a launcher end this rank with :func:`report_failure`'s one line.
+
+    A terminal sends SIGINT to the whole job; the DeepSpeed launcher answers it by sending SIGTERM
+    to every rank at once, which ended each rank before its ``KeyboardInterrupt`` was handled: no
+    chatrl line at all. After a SIGINT (handled first when both are pending) this rank's next
+    SIGINT and SIGTERM are absorbed, so the interruption is reported and the rank exits with
+    :data:`INTERRUPTED`. A SIGTERM without a SIGINT (the launcher stopping the job because another
+    rank failed, a scheduler ending it) keeps its default: the process ends at once, as before.
+    Call on every rank, in the main thread, once at start-up.
+    """
+    import signal
+
+    def absorb(signum, frame):
+        return None
+
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, absorb)
+        signal.signal(signal.SIGTERM, absorb)
+        raise KeyboardInterrupt
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, terminated)
+
+
 @contextlib.contextmanager
 def report_failure():
     """Re-raise any exception after one line on stderr naming the rank, the step and its progress.

@@ -122,7 +122,7 @@ def run(argv: list[str] | None = None) -> dict:
     s: Step1Settings = config.read(Step1Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
     check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 1 (SFT)", s.log, s.optim.seed)
+    info = program.start("step 1 (SFT)", s.log, s.optim.seed, s.ckpt)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     all_turns = s.sft.train_all_assistant_turns

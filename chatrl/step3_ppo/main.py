@@ -190,7 +190,7 @@ def build(args, score_fn=None) -> Step3Run:
     adapted = s.fit_loss_aggregation_to_token_budget()
     make_env = load_environment(s.env.env, s.env.env_args) if s.env.env else None
     seed = s.actor_optim.seed
-    info = program.start(f"step 3 ({algorithm.name})", s.log, seed)
+    info = program.start(f"step 3 ({algorithm.name})", s.log, seed, s.ckpt)
     if adapted and info.is_main:
         log.info(adapted)
     tokenizer = load_tokenizer(s.actor.model_name_or_path, padding_side="left",

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from chatrl.checkpoint import check_output_dir, write_run_marker
+from chatrl.errors import UsageError
 from chatrl.cli import normalize_argv
 from chatrl.models import load_tokenizer
 from tests.conftest import REPO, STORIES
@@ -31,7 +32,7 @@ def test_dash_and_underscore_flags_are_the_same():
 def test_finished_output_is_not_clobbered(tmp_path):
     check_output_dir(str(tmp_path), overwrite=False)  # empty folder: fine
     write_run_marker(str(tmp_path), {"step": 1})
-    with pytest.raises(FileExistsError, match="--overwrite_output_dir"):
+    with pytest.raises(UsageError, match="--overwrite_output_dir"):
         check_output_dir(str(tmp_path), overwrite=False)
     check_output_dir(str(tmp_path), overwrite=True)
 
