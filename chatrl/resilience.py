@@ -136,6 +136,10 @@ _PROGRESS: dict = {"step": "", "optimizer_step": 0, "saved": None, "saved_step":
 #: Exit code of a step stopped by Ctrl-C (SIGINT), as shells report it: 128 + 2.
 INTERRUPTED = 130
 
+#: Seconds a rank whose collective failed because another rank left waits before its own line, so
+#: that the failing rank's line, the cause, is printed above it.
+SECONDARY_DELAY_S = 1.0
+
 
 def _short(message: str, limit: int = 240) -> str:
     """First line of an error message, without a leading ``[file.cc:123]`` source location, cut to ``limit``."""
@@ -221,15 +225,21 @@ def report_failure():
             raise SystemExit(INTERRUPTED) from None
         if isinstance(e, UsageError):  # a message that says everything: alone, as argparse prints a bad flag
             sys.stderr.write(f"chatrl: error: {e}\n")
+            sys.stderr.flush()
             raise SystemExit(2) from None
         rank = os.environ.get("RANK", "0")
         where = _PROGRESS["step"] or "chatrl"
+        secondary = "Connection closed by peer" in str(e) or "Connection reset" in str(e) or "NCCL" in str(e)
+        if secondary:  # another rank's failure: let that rank's own line (the cause) come out first
+            import time
+
+            time.sleep(SECONDARY_DELAY_S)
         # the DeepSpeed launcher's node rank and node count (CROSS_RANK / CROSS_SIZE) on multi-node jobs
         node = (f" on node {os.environ.get('CROSS_RANK')} of {os.environ['CROSS_SIZE']} ({socket.gethostname()})"
                 if int(os.environ.get("CROSS_SIZE", "1")) > 1 else "")
         sys.stderr.write(f"\nchatrl: rank {rank} failed in {where} after optimizer step {_PROGRESS['optimizer_step']}"
                          f"{node}: {type(e).__name__}: {_short(str(e))}\n")
-        if "Connection closed by peer" in str(e) or "Connection reset" in str(e) or "NCCL" in str(e):
+        if secondary:
             sys.stderr.write("chatrl: another rank has probably died; its own message (or the launcher's) names it. "
                              "The step continues from its last checkpoint with --resume (train.py adds it when the "
                              "same command is run again).\n")

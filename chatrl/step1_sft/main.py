@@ -222,6 +222,8 @@ def run(argv: list[str] | None = None) -> dict:
         metrics["eval/eos_rate"] = rate
         tracker.log({"eval/eos_rate": rate}, step)
         tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: {rate:.1%}")
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:

@@ -319,6 +319,8 @@ def run(argv: list[str] | None = None) -> dict:
         before = initial.get("eval/eos_rate")
         tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
                       + (f" (before DPO: {before:.1%})" if before is not None else ""))
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:

@@ -241,6 +241,8 @@ def run(argv: list[str] | None = None) -> dict:
             return {"metrics": metrics, "engine": engine}
     evidence.finish(step)
 
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     save_reward_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:
