@@ -185,9 +185,14 @@ def stop_on_ctrl_c() -> None:
     SIGINT and SIGTERM are absorbed, so the interruption is reported and the rank exits with
     :data:`INTERRUPTED`. A SIGTERM without a SIGINT (the launcher stopping the job because another
     rank failed, a scheduler ending it) keeps its default: the process ends at once, as before.
-    Call on every rank, in the main thread, once at start-up.
+    Call on every rank once at start-up; outside the main thread (a step run inside another program's
+    worker thread) it does nothing, as signals reach the main thread only.
     """
     import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
 
     def absorb(signum, frame):
         return None
