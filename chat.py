@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from chatrl import config
 from chatrl.cli import normalize_argv
@@ -118,8 +119,20 @@ def human_turns(interactive: bool, clear: Callable[[], None]) -> Iterator[str]:
             yield text
 
 
+def check_model_folder(parser, flag: str, path: str | None) -> None:
+    """Refuse, in one line, a model path that names a local folder that does not exist (it starts
+    with ``/``, ``.`` or ``~``, or its first part is a folder here: ``output/step3_rlhf/actr``);
+    hub names (``facebook/opt-1.3b``) are left to the loader."""
+    if not path or Path(path).expanduser().is_dir():
+        return
+    if path.startswith(("/", ".", "~")) or Path(path.split("/", 1)[0]).expanduser().is_dir():
+        parser.error(f"{flag} {path}: no such folder (a trained model's folder, e.g. output/step3_rlhf/actor)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
+    for flag in ("path", "compare"):
+        check_model_folder(build_parser(), f"--{flag}", getattr(args, flag, None))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.web:
         if args.env:

@@ -55,6 +55,7 @@ from chatrl.eval.settings import EvalPipelineConfig
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
 from chatrl.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.report import report_note
+from chatrl.rewards import load_reward_fn, split_weight
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
 from chatrl.step2_dpo.main import build_parser as dpo_parser
@@ -425,6 +426,9 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
             failures.append(f"the last optimizer step logged was {reached}")
         resume = (f"the newest checkpoint is {ckpts[-1]}: rerun the same command to resume from it" if ckpts else
                   "no checkpoint was written (--save_interval): a rerun starts this step again")
+        # the cause first: a rank's own error above the lost connections it left the others with
+        secondary = ("Connection reset", "Connection closed", "another rank has probably died")
+        failures.sort(key=lambda f: any(x in f for x in secondary))
         why = "".join(f"\n  {f}" for f in dict.fromkeys(failures))
         raise SystemExit(f"train.py: step {step} ({name or STEP_NAMES[step]}) failed with exit code {code}{why}\n"
                          f"  {resume}\n  full log: {log_path}")
@@ -530,21 +534,79 @@ class Pipeline:
     step3_needs: tuple[int, ...] = (1, 2)  # the steps whose output step 3 reads
 
 
-def check_step_flags(step: int, name: str, parser, argv: list[str]) -> None:
+def check_step_flags(step: int, name: str, parser, argv: list[str]) -> argparse.Namespace:
     """Parse a step's whole command line with its own parser before anything is launched, so that a
     bad or misspelt flag in ``--stepN-args`` (no abbreviations) or a missing local data path stops
     train.py at once with one line naming the step.
+
+    Returns the parsed flags.
 
     Raises:
         SystemExit: naming the step and the parser's message.
     """
     parser.raise_errors = True
     try:
-        cli.parse(parser, argv)
+        return cli.parse(parser, argv)
     except UsageError as e:
         raise SystemExit(f"train.py: step {step} ({name}) flags: {e}") from None
     finally:
         parser.raise_errors = False
+
+
+def user_flags_win(a: PipelineConfig, presets: Presets) -> None:
+    """A flag the user gives wins over the preset's value, in place: ``--data-path`` replaces every
+    step's data (step 1's extra SFT data included); ``--actor-model`` and ``--reward-model`` are read
+    by :func:`plan`."""
+    if a.data_path:
+        for s in (1, 2, 3):
+            presets[s]["data_path"] = list(a.data_path)
+
+
+_KINDS = {"sft": "SFT rows ({prompt, chosen}), which feed step 1 only", "pairs": "preference pairs",
+          "prompts": "prompt rows ({prompt, reference}), which feed step 3 only"}
+
+
+def check_step_data(step: int, name: str, phase: int, args: argparse.Namespace, sources: dict) -> None:
+    """Check before step 1 that a step's local data gives it training rows, and with rule rewards that
+    step 3's prompt rows hold what they read (:func:`chatrl.rewards.check_reward_metadata`): SFT rows
+    feed step 1 only, prompt rows step 3 only, preference pairs every step by ``--data_split``, so a
+    run with a rule reward gives step 1 and step 3 their data as one list
+    (``--data-path sft.jsonl prompts.jsonl``). Skipped when an entry is a hub name (read later).
+    ``sources`` caches each entry's :func:`chatrl.data.sources.read_source`.
+
+    Raises:
+        SystemExit: one line naming the step, its data and what feeds it.
+    """
+    from chatrl.data.sources import read_source
+    from chatrl.data.split import parse_data_split, phase_rows
+    from chatrl.rewards import check_reward_metadata
+
+    entries = list(args.data_path or [])
+    if not entries or not all(cli.looks_local(e.split("[", 1)[0]) for e in entries):
+        return
+    metadata, kinds = [], []
+    try:
+        weights = parse_data_split(args.data_split)
+        for entry in entries:
+            if entry not in sources:
+                sources[entry] = read_source(entry)
+            src = sources[entry]
+            kinds.append(src.kind)
+            rows = set(phase_rows(src.n_rows, src.kind, phase, weights, getattr(args, "seed", 1234),
+                                  getattr(args, "eval_fraction", 0.05))[0].tolist())
+            metadata += [sm.metadata for sm, r in zip(src.samples, src.sample_rows, strict=True) if r in rows]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py: step {step} ({name}) data: {e}") from None
+    if not metadata:
+        held = "; ".join(f"{e} holds {_KINDS.get(k, k)}" for e, k in zip(entries, kinds, strict=True))
+        raise SystemExit(f"train.py: step {step} ({name}) gets no training rows from its data ({held}): give each "
+                         "step its rows in one --data-path list, e.g. --data-path sft.jsonl prompts.jsonl "
+                         "(docs/critic_free.md)")
+    if phase == 3:
+        try:
+            check_reward_metadata(getattr(args, "reward_fn", None) or [], metadata, "--data-path " + " ".join(entries))
+        except UsageError as e:
+            raise SystemExit(f"train.py: step {step} ({name}): {e}") from None
 
 
 def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) -> Pipeline:
@@ -567,6 +629,15 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
     settings: PipelineSettings = config.read(PipelineSettings, parser.parse_args(raw))
     a = settings.pipeline
     out = Path(a.output_dir).resolve()
+    for entry in a.data_path or []:  # refused here, in one line, before any step starts
+        path = entry.split("[", 1)[0] if entry.endswith("]") else entry
+        if cli.looks_local(path) and not Path(path).expanduser().exists():
+            raise SystemExit(f"train.py: --data-path {entry}: no such file or folder")
+    for spec in settings.reward.reward_fn:  # a misspelt --reward-fn stops train.py before step 1, in one line
+        try:
+            load_reward_fn(split_weight(spec, "--reward-fn")[1])
+        except ValueError as e:  # UsageError, a bad weight
+            raise SystemExit("train.py: " + str(e).replace("--reward_fn", "--reward-fn")) from None
     steps, rl_flags, skip2 = plan_pipeline(settings)
     deployment = a.deployment_type
     if a.preset == "demo":
@@ -585,6 +656,9 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         actor = reward = resolve_model(name)
         deployment = "cpu"
     if a.preset:
+        user_flags_win(a, presets)
+        actor = resolve_model(a.actor_model) if a.actor_model else actor
+        reward = resolve_model(a.reward_model) if a.reward_model else reward
         for s, stages in {1: {"zero_stage": a.actor_zero_stage}, 2: {"zero_stage": a.reward_zero_stage},
                           3: {"actor_zero_stage": a.actor_zero_stage, "critic_zero_stage": a.reward_zero_stage}}.items():
             presets[s].update({k: v for k, v in stages.items() if v is not None})  # explicit stages win
@@ -620,7 +694,7 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
     if a.step2_method == "dpo":
         steps = dpo_plan(out, presets, dirs, models, steps)
         modules[2], names[2], parsers[2] = "chatrl.step2_dpo", "direct preference optimisation", parsers["dpo"]
-    runs = []
+    runs, sources = [], {}
     for s in steps:
         extra = cli.resolve_argv(shlex.split(getattr(a, f"step{s}_args")), parsers[s], cwd)
         # An unfinished step continues from its newest checkpoint; --overwrite starts it afresh.
@@ -629,7 +703,8 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         step_argv = [*command_flags(values, parsers[s]), *extra]
         finished = (dirs[s] / RUN_MARKER).exists() and not a.overwrite
         if not finished:
-            check_step_flags(s, names[s], parsers[s], step_argv)
+            parsed = check_step_flags(s, names[s], parsers[s], step_argv)
+            check_step_data(s, names[s], 2 if modules[s] == "chatrl.step2_dpo" else s, parsed, sources)
         runs.append(StepRun(s, names[s], modules[s], dirs[s], step_argv, finished))
     return Pipeline(settings, out, cmd, env, nodes, dirs, runs, messages, (1,) if skip2 else (1, 2))
 
@@ -735,6 +810,8 @@ def gold_reward_run(pipe: Pipeline, cwd: str | os.PathLike | None = None) -> Ste
     gold = resolve_model(gold_backbone(s))
     if a.preset:
         presets = dict(PRESET_PLANS[a.preset](pipe.out)[2][2])
+        if a.data_path:  # the user's data wins over the preset's, as for the steps
+            presets["data_path"] = list(a.data_path)
     else:
         size = size_in_billions(gold)
         presets = {"data_path": a.data_path or DEFAULT_DATA,

@@ -48,11 +48,11 @@ def check_output_dir(output_dir: str, overwrite: bool) -> None:
     """Refuse to start when ``output_dir`` holds a finished run, unless ``--overwrite_output_dir``.
 
     Raises:
-        FileExistsError: naming the folder and the flag.
+        UsageError: naming the folder and the flag (printed alone, as a parser's error).
     """
     marker = Path(output_dir) / RUN_MARKER
     if marker.exists() and not overwrite:
-        raise FileExistsError(
+        raise UsageError(
             f"{output_dir} already holds a finished run ({RUN_MARKER}); pass --overwrite_output_dir to replace it "
             "or choose another --output_dir")
 

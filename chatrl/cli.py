@@ -12,8 +12,10 @@ import re
 from pathlib import Path
 
 from chatrl import model_zoo
-from chatrl.checkpoint import COMPLETE
+from chatrl.checkpoint import COMPLETE, RUN_MARKER, list_checkpoints
 from chatrl.errors import UsageError
+from chatrl.rewards.base import split_weight
+from chatrl.rewards.function import load_reward_fn
 
 
 def normalize_argv(argv: list[str], known: set[str] | None = None) -> list[str]:
@@ -37,7 +39,9 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".gz")
 DATA_FLAGS = ("data_path", "eval_data_path", "unsupervised_dataset_name")
 
 
-def _looks_local(entry: str) -> bool:
+def looks_local(entry: str) -> bool:
+    """Whether a data entry names a local path (starts with ``/``, ``.`` or ``~``, or ends with a data
+    file's suffix) rather than a hub data set."""
     return entry.startswith(("/", ".", "~")) or entry.endswith(DATA_SUFFIXES)
 
 
@@ -121,7 +125,10 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     """Parse ``argv`` (default ``sys.argv[1:]``) after :func:`normalize_argv`.
 
     Local data entries (a path, or a name with a data-file suffix) that do not exist are refused
-    here, with one line naming the flag, before any rank starts loading models.
+    here, with one line naming the flag, before any rank starts loading models; so is an
+    ``--output_dir`` that holds a finished run, or the checkpoints of an unfinished one, when the
+    command says neither ``--resume`` nor ``--overwrite_output_dir`` (a rerun would overwrite them).
+    ``--reward_fn`` functions are imported here, so a misspelt one is refused in one line too.
     """
     import sys
 
@@ -130,7 +137,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     for flag in DATA_FLAGS:
         for entry in getattr(args, flag, None) or []:
             path = entry.split("[", 1)[0] if entry.endswith("]") else entry
-            if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+            if looks_local(path) and not os.path.exists(os.path.expanduser(path)):
                 parser.error(f"--{flag} {entry}: no such file or folder")
     if getattr(args, "save_total_limit", 1) < 1:
         parser.error(f"--save_total_limit must be >= 1 (the newest checkpoint is always kept), got {args.save_total_limit}")
@@ -138,6 +145,21 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
         parser.error(f"--save_interval must be >= 0 (0: no checkpoints), got {args.save_interval}")
     if getattr(args, "save_hf_interval", 0) < 0:
         parser.error(f"--save_hf_interval must be >= 0 (0: no snapshots), got {args.save_hf_interval}")
+    for spec in getattr(args, "reward_fn", None) or []:  # imported now (cheap): a misspelt one is one line
+        try:
+            load_reward_fn(split_weight(spec, "--reward_fn")[1])
+        except ValueError as e:  # a UsageError naming the flag and the spec, or a bad weight
+            parser.error(str(e))
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir and hasattr(args, "resume") and not getattr(args, "overwrite_output_dir", False):
+        if os.path.isfile(os.path.join(output_dir, RUN_MARKER)):
+            parser.error(f"--output_dir {output_dir} already holds a finished run ({RUN_MARKER}); pass "
+                         "--overwrite_output_dir to replace it or choose another --output_dir")
+        found = list_checkpoints(output_dir)
+        if found and not args.resume and not args.resume_from_checkpoint:
+            parser.error(f"--output_dir {output_dir} holds the checkpoints of an unfinished run (newest: "
+                         f"{found[-1].name}); add --resume to continue from it, or --overwrite_output_dir to "
+                         "start afresh")
     resume_from = getattr(args, "resume_from_checkpoint", None)
     if resume_from and not os.path.isdir(resume_from):
         parser.error(f"--resume_from_checkpoint {resume_from}: no such folder")

@@ -11,6 +11,7 @@ the figures) and is applied once at start-up by :func:`chatrl.dist.init_distribu
 * :func:`stub_deepspeed_muon`: importing DeepSpeed's Muon modules runs ``torch.compile`` (seconds
   per rank) for an optimizer chatrl never builds;
 * :func:`gloo_reduce_scatter_by_all_reduce`: gloo's reduce-scatter is twice as slow as its all-reduce;
+* :func:`undeprecated_all_gather`: DeepSpeed's all-gather calls a torch function deprecated in torch 2.13;
 * :func:`sparse_embedding_grads`: fp32 ZeRO-0 all-reduces whole embedding tables for a few rows;
 * :func:`lean_bf16_zero0_step`: bf16 ZeRO-0's optimizer step copies and scans every gradient three times;
 * :func:`kept_allreduce_buffer`: ZeRO-0's all-reduce flattens the gradients into fresh memory at every step (on CPU).
@@ -40,8 +41,10 @@ def before_process_group() -> None:
 
 def after_process_group(single_node: bool) -> None:
     """The workarounds that need the process group: gloo's reduce-scatter as an all-reduce on one
-    node (``single_node``: every rank of the job is on this node). Idempotent."""
+    node (``single_node``: every rank of the job is on this node), DeepSpeed's all-gather without torch's
+    deprecated alias. Idempotent."""
     gloo_reduce_scatter_by_all_reduce(single_node)
+    undeprecated_all_gather()
 
 
 STALE_BUILD_LOCK_S = 600.0  # a JIT build lock older than this is taken for a leftover of a killed build
@@ -186,6 +189,30 @@ def gloo_reduce_scatter_by_all_reduce(single_node: bool) -> bool:
 
     cdb.reduce_scatter_function = reduce_scatter_tensor
     cdb._chatrl_reduce_scatter = True
+    return True
+
+
+def undeprecated_all_gather() -> bool:
+    """Make DeepSpeed's all-gather call ``torch.distributed.all_gather_single`` instead of
+    ``all_gather_into_tensor``, which torch 2.13 deprecates as a thin alias of it.
+
+    DeepSpeed 0.19 picks ``all_gather_into_tensor`` for every all-gather of ZeRO-3's parameter
+    fetches, and each call site warned once per process (``FutureWarning: `torch.distributed.
+    all_gather_into_tensor` is deprecated``): about ten lines in one replay, 47 in a 2-step probe with
+    every warning shown. The function called is the one the alias calls, so nothing else changes.
+    Installed on DeepSpeed's communication backend by :func:`after_process_group`; idempotent; left
+    alone when torch has no ``all_gather_single`` or DeepSpeed picked another function. Returns True
+    when installed.
+    """
+    from deepspeed import comm
+
+    cdb = comm.comm.cdb
+    single = getattr(torch.distributed, "all_gather_single", None)
+    if cdb is None or single is None or getattr(cdb, "all_gather_function", None) is single:
+        return single is not None and cdb is not None
+    if cdb.all_gather_function is not getattr(torch.distributed, "all_gather_into_tensor", None):
+        return False
+    cdb.all_gather_function = single
     return True
 
 

@@ -66,6 +66,10 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer, max_norm: float = 0.0
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return inner(*args, **kwargs)
 
+    if hasattr(inner, "_wrapped_by_lr_sched"):
+        # a learning-rate schedule built on this optimizer tracks its steps through ``inner``, which this
+        # step still calls; say so, or torch warns at the schedule's first step that step() was overridden
+        step._wrapped_by_lr_sched = True
     optimizer.step = step
     optimizer.overflow = False
     return optimizer
@@ -132,6 +136,10 @@ _PROGRESS: dict = {"step": "", "optimizer_step": 0, "saved": None, "saved_step":
 #: Exit code of a step stopped by Ctrl-C (SIGINT), as shells report it: 128 + 2.
 INTERRUPTED = 130
 
+#: Seconds a rank whose collective failed because another rank left waits before its own line, so
+#: that the failing rank's line, the cause, is printed above it.
+SECONDARY_DELAY_S = 1.0
+
 
 def _short(message: str, limit: int = 240) -> str:
     """First line of an error message, without a leading ``[file.cc:123]`` source location, cut to ``limit``."""
@@ -168,6 +176,40 @@ def interrupted_message() -> str:
     return f"chatrl: interrupted (Ctrl-C) in {where} after optimizer step {n}; {saved}; {how}"
 
 
+def stop_on_ctrl_c() -> None:
+    """Make Ctrl-C under a launcher end this rank with :func:`report_failure`'s one line.
+
+    A terminal sends SIGINT to the whole job; the DeepSpeed launcher answers it by sending SIGTERM
+    to every rank at once, which ended each rank before its ``KeyboardInterrupt`` was handled: no
+    chatrl line at all. After a SIGINT (handled first when both are pending) this rank's next
+    SIGINT and SIGTERM are absorbed, so the interruption is reported and the rank exits with
+    :data:`INTERRUPTED`. A SIGTERM without a SIGINT (the launcher stopping the job because another
+    rank failed, a scheduler ending it) keeps its default: the process ends at once, as before.
+    Call on every rank once at start-up; outside the main thread (a step run inside another program's
+    worker thread) it does nothing, as signals reach the main thread only.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def absorb(signum, frame):
+        return None
+
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, absorb)
+        signal.signal(signal.SIGTERM, absorb)
+        raise KeyboardInterrupt
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, terminated)
+
+
 @contextlib.contextmanager
 def report_failure():
     """Re-raise any exception after one line on stderr naming the rank, the step and its progress.
@@ -188,15 +230,21 @@ def report_failure():
             raise SystemExit(INTERRUPTED) from None
         if isinstance(e, UsageError):  # a message that says everything: alone, as argparse prints a bad flag
             sys.stderr.write(f"chatrl: error: {e}\n")
+            sys.stderr.flush()
             raise SystemExit(2) from None
         rank = os.environ.get("RANK", "0")
         where = _PROGRESS["step"] or "chatrl"
+        secondary = "Connection closed by peer" in str(e) or "Connection reset" in str(e) or "NCCL" in str(e)
+        if secondary:  # another rank's failure: let that rank's own line (the cause) come out first
+            import time
+
+            time.sleep(SECONDARY_DELAY_S)
         # the DeepSpeed launcher's node rank and node count (CROSS_RANK / CROSS_SIZE) on multi-node jobs
         node = (f" on node {os.environ.get('CROSS_RANK')} of {os.environ['CROSS_SIZE']} ({socket.gethostname()})"
                 if int(os.environ.get("CROSS_SIZE", "1")) > 1 else "")
         sys.stderr.write(f"\nchatrl: rank {rank} failed in {where} after optimizer step {_PROGRESS['optimizer_step']}"
                          f"{node}: {type(e).__name__}: {_short(str(e))}\n")
-        if "Connection closed by peer" in str(e) or "Connection reset" in str(e) or "NCCL" in str(e):
+        if secondary:
             sys.stderr.write("chatrl: another rank has probably died; its own message (or the launcher's) names it. "
                              "The step continues from its last checkpoint with --resume (train.py adds it when the "
                              "same command is run again).\n")

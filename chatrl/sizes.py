@@ -38,7 +38,7 @@ class BatchSizes:
     def __post_init__(self):
         for name in ("per_device_batch", "gradient_accumulation_steps", "world_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def global_batch(self) -> int:
@@ -69,28 +69,33 @@ class StepPlan:
     total_steps: int
     num_warmup_steps: int
     notes: tuple[str, ...] = ()
+    cap_note: str | None = None  # the run ends before --max_steps: said once at its end
 
 
 def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epochs: int, max_steps: int,
                num_warmup_steps: float | None, what: str = "samples", default_warmup: int = 0) -> StepPlan:
     """Optimizer steps of steps 1-2: ``n_batches`` micro-batches per rank and epoch (a loader's
     length), ``batch.gradient_accumulation_steps`` per step; the epoch's trailing partial step is
-    dropped. ``max_steps`` (> 0) caps the total. The warm-up is :func:`warmup_steps` of
+    dropped. ``max_steps`` (> 0) caps the total (``cap_note`` says so when the run ends before it).
+    The warm-up is :func:`warmup_steps` of
     ``num_warmup_steps`` (None: ``default_warmup``, adapted to a short run).
 
     Raises:
-        ValueError: no full optimizer step per epoch, or a given warm-up that does not fit the run
+        UsageError: no full optimizer step per epoch, or a given warm-up that does not fit the run
             (naming the flags and a fix).
     """
     steps_per_epoch = n_batches // batch.gradient_accumulation_steps
     if steps_per_epoch == 0:
-        raise ValueError(f"{n_samples} training {what} give no full optimizer step of global batch "
+        raise UsageError(f"{n_samples} training {what} give no full optimizer step of global batch "
                          f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
     total = steps_per_epoch * num_train_epochs
     if max_steps:
         total = min(total, max_steps)
     warmup, note = warmup_steps(num_warmup_steps, default_warmup, total, "optimizer steps")
-    return StepPlan(steps_per_epoch, total, warmup, (note,) if note else ())
+    cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} optimizer steps, when its "
+           f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_samples} {what} ran out "
+           f"(--num_train_epochs, or more data, for a longer run)" if max_steps and total < max_steps else None)
+    return StepPlan(steps_per_epoch, total, warmup, (note,) if note else (), cap)
 
 
 def warmup_steps(given: float | None, default: int, total: int, unit: str) -> tuple[int, str | None]:
@@ -102,7 +107,7 @@ def warmup_steps(given: float | None, default: int, total: int, unit: str) -> tu
     note says so.
 
     Raises:
-        ValueError: a given warm-up that is negative, a non-whole number of steps above 1, or not
+        UsageError: a given warm-up that is negative, a non-whole number of steps above 1, or not
             shorter than the run; the message names the flag and a fix.
     """
     if given is None:
@@ -112,12 +117,12 @@ def warmup_steps(given: float | None, default: int, total: int, unit: str) -> tu
         return used, (f"--num_warmup_steps unset: the default {default} is longer than a tenth of this run "
                       f"({total} {unit}); using {used}. Set it to choose another")
     if given < 0 or (given >= 1 and given != int(given)):
-        raise ValueError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a fraction "
+        raise UsageError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a fraction "
                          "of the run below 1, e.g. 0.1)")
     if given < 1:
         return (min(math.ceil(given * total), total - 1) if given else 0), None
     if given >= total:
-        raise ValueError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); lower "
+        raise UsageError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); lower "
                          "--num_warmup_steps (or give a fraction of the run, e.g. 0.1) or train longer "
                          "(--num_train_epochs, --max_steps)")
     return int(given), None
@@ -145,6 +150,7 @@ class PPOPlan:
     kl_horizon: float = KL_HORIZON  # the adaptive KL controller's horizon (rollouts)
     print_answers_interval: int = PRINT_ANSWERS_INTERVAL  # steps between recorded rollouts
     notes: tuple[str, ...] = ()  # what adapted to the run (print once)
+    cap_note: str | None = None  # the run ends before --max_steps: said once at its end
 
 
 def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
@@ -182,7 +188,7 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     policy's, is not supported.
 
     Raises:
-        ValueError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
+        UsageError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
             generation batch not made of whole micro-batches; a buffer not made of whole optimizer
             steps), no full buffer per epoch, a given warm-up that does not fit the run, a
             ``kl_horizon`` <= 0 or a ``print_answers_interval`` < 1; the message names the flags
@@ -195,11 +201,11 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
                     ("num_train_epochs", num_train_epochs), ("num_samples_per_prompt", num_samples_per_prompt),
                     ("print_answers_interval", 1 if print_answers_interval is None else print_answers_interval)):
         if v < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {v}")
+            raise UsageError(f"--{flag} must be >= 1, got {v}")
     if kl_horizon is not None and not kl_horizon > 0:
-        raise ValueError(f"--kl_horizon must be > 0 rollouts, got {kl_horizon}")
+        raise UsageError(f"--kl_horizon must be > 0 rollouts, got {kl_horizon}")
     if num_samples_per_prompt < algorithm.min_samples_per_prompt:
-        raise ValueError(f"--rl_algorithm {algorithm.name} needs --num_samples_per_prompt >= "
+        raise UsageError(f"--rl_algorithm {algorithm.name} needs --num_samples_per_prompt >= "
                          f"{algorithm.min_samples_per_prompt} (a group of one answer has no baseline), got "
                          f"{num_samples_per_prompt}")
     global_mode = loss_agg_mode in GLOBAL_LOSS_AGG_MODES
@@ -207,7 +213,7 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     if per_generation % per_device_training_batch_size:
         times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
                    if num_samples_per_prompt > 1 else "")
-        raise ValueError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
+        raise UsageError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
                          f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
                          "batch must split into whole training micro-batches; make the generation batch a multiple "
                          "of the "
@@ -215,30 +221,30 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     micro_per_gen = per_generation // per_device_training_batch_size
     micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
     if global_mode and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
-        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
+        raise UsageError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
                          f"{generation_batches * micro_per_gen} micro-batches of one pass over a buffer "
                          f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
                          f"batch): with --loss_agg_mode {loss_agg_mode} an optimizer step would straddle two passes; "
                          "choose a divisor")
     if micro_per_buffer % gradient_accumulation_steps:
-        raise ValueError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
+        raise UsageError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
                          f"{micro_per_buffer} training micro-batches of an experience buffer (--generation_batches "
                          f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
                          "generation batch): an optimizer step would straddle two buffers; choose a divisor")
     if max_tokens_per_micro_batch and not global_mode:
-        raise ValueError(f"--max_tokens_per_micro_batch needs a global --loss_agg_mode ({', '.join(GLOBAL_LOSS_AGG_MODES)}), "
+        raise UsageError(f"--max_tokens_per_micro_batch needs a global --loss_agg_mode ({', '.join(GLOBAL_LOSS_AGG_MODES)}), "
                          f"got {loss_agg_mode}: a per-micro-batch mean depends on how the step is cut")
     if max_tokens_per_micro_batch and ptx:
-        raise ValueError("--max_tokens_per_micro_batch does not combine with the PTX loss (--unsupervised_dataset_name): "
+        raise UsageError("--max_tokens_per_micro_batch does not combine with the PTX loss (--unsupervised_dataset_name): "
                          "its micro-steps interleave the policy's; drop one of them")
     if ptx and global_mode and gradient_accumulation_steps > 1:
-        raise ValueError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} needs "
+        raise UsageError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} needs "
                          f"--gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX micro-step "
                          "follows every policy micro-batch, so an accumulated actor step would hold fewer policy "
                          "micro-batches than its loss normaliser counts")
     buffers_per_epoch = n_generation_batches // generation_batches
     if buffers_per_epoch == 0:
-        raise ValueError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
+        raise UsageError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
                          f"{per_device_generation_batch_size} per rank x {world_size} ranks; lower "
                          "--per_device_generation_batch_size or --generation_batches")
     total = buffers_per_epoch * num_train_epochs
@@ -266,8 +272,11 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     layout = {"world_size": world_size, "gradient_accumulation_steps": gradient_accumulation_steps,
               "per_device_generation_batch_size": per_device_generation_batch_size,
               "generation_batches": generation_batches, "per_device_training_batch_size": per_device_training_batch_size}
+    cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} steps (experience buffers), when its "
+           f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_prompts} prompts ran out "
+           "(--num_train_epochs, or more prompts, for a longer run)" if max_steps and total < max_steps else None)
     return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer, critic_steps,
-                   actor_steps, warmup, layout, horizon, interval, tuple(notes))
+                   actor_steps, warmup, layout, horizon, interval, tuple(notes), cap)
 
 
 #: ``--max_turns`` when ``--env`` is given without it.

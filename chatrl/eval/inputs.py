@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatrl.checkpoint import RUN_MARKER
@@ -18,11 +18,13 @@ from chatrl.weights import list_snapshots
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    """One prompt: its conversation (ending with a user turn), the entry and raw row it comes from."""
+    """One prompt: its conversation (ending with a user turn), the entry and raw row it comes from, and
+    the row's metadata (a prompt row's ``reference`` and the like: what a function judge reads)."""
 
     messages: tuple[dict, ...]
     source: str
     row: int
+    metadata: dict | None = field(default=None, compare=False, hash=False)
 
 
 def load_prompts(entries: list[str], schema: str | None = None, split: str | None = None, split_seed: int = 1234,
@@ -64,7 +66,7 @@ def load_prompts(entries: list[str], schema: str | None = None, split: str | Non
             key = json.dumps(messages, sort_keys=True)
             if key not in seen:
                 seen.add(key)
-                out.append(EvalPrompt(messages, entry, int(r)))
+                out.append(EvalPrompt(messages, entry, int(r), dict(src.samples[i].metadata or {})))
     if not out:
         how = (f"phase 3's held-out rows of --prompts_split {split} (SFT-only data feeds no phase-3 row)"
                if split else "their rows")

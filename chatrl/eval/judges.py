@@ -18,6 +18,7 @@ judge's are compared fairly. Identical answers are a tie without asking the judg
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +31,7 @@ from chatrl.data.schema import Sample
 from chatrl.errors import UsageError
 from chatrl.eval.stats import outcome
 from chatrl.reward_model import MissingRewardHeadError, encode_rows, score_sequences
-from chatrl.rewards.function import load_reward_fn
+from chatrl.rewards.function import BUILTIN_REWARD_FNS, load_reward_fn
 from chatrl.rewards.model import TextRewardModel
 
 Conversation = tuple[dict, ...]
@@ -107,7 +108,9 @@ class FunctionJudge:
     """A Python function as a judge (``--judge module:function`` or ``file.py:function``).
 
     Pointwise: a reward function (``docs/rewards.md``), ``f(prompts, answers, metadata) -> N`` numbers,
-    with the prompts as Human/Assistant transcripts (:func:`transcript`) and empty metadata.
+    with the prompts as Human/Assistant transcripts (:func:`transcript`) and each prompt row's metadata
+    (its ``reference`` for ``exact_match``; :attr:`metadata`, filled by the evaluation, else empty); a
+    built-in reward's short name (``exact_match``) is one too, so a run with a rule reward is judged by it.
     Pairwise: a function with ``f.pairwise = True``, ``f(prompts, first, second) -> N`` probabilities
     that ``first`` is better.
 
@@ -122,6 +125,10 @@ class FunctionJudge:
             raise UsageError(f"{flag} {spec}: " + str(e).replace(f"--reward_fn {spec!r}: ", "")) from None
         self.flag, self.spec, self.name = flag, spec, getattr(self.fn, "__name__", spec)
         self.pairwise = bool(getattr(self.fn, "pairwise", False))
+        self.metadata: dict[str, dict] = {}  # conversation_key(prompt) → its row's metadata
+
+    def _metadata(self, prompts: Sequence[Conversation]) -> list[dict]:
+        return [dict(self.metadata.get(conversation_key(p), {})) for p in prompts]
 
     def _values(self, values, n: int, lo: float = -math.inf, hi: float = math.inf) -> list[float]:
         try:
@@ -135,7 +142,7 @@ class FunctionJudge:
 
     def score(self, prompts: Sequence[Conversation], answers: Sequence[str]) -> list[float]:
         """The function's score of each answer (pointwise judges)."""
-        values = self.fn([transcript(p) for p in prompts], list(answers), [{} for _ in answers])
+        values = self.fn([transcript(p) for p in prompts], list(answers), self._metadata(prompts))
         return self._values(values, len(answers))
 
     def prefer(self, prompts: Sequence[Conversation], first: Sequence[str], second: Sequence[str]) -> list[float]:
@@ -154,10 +161,15 @@ def load_judge(spec: str, flag: str, max_seq_len: int = 512, batch_size: int = 1
     """
     if Path(spec).is_dir():
         return RewardModelJudge(spec, flag, max_seq_len, batch_size, dtype, device)
-    if ":" in spec:
+    if ":" in spec or spec in BUILTIN_REWARD_FNS:
         return FunctionJudge(spec, flag)
-    raise UsageError(f"{flag} {spec}: no such folder; a judge is a reward-model folder (step 2's output) or "
-                     "module:function / file.py:function")
+    raise UsageError(f"{flag} {spec}: no such folder; a judge is a reward-model folder (step 2's output), "
+                     f"module:function / file.py:function or a built-in reward ({', '.join(BUILTIN_REWARD_FNS)})")
+
+
+def conversation_key(conversation: Conversation) -> str:
+    """A conversation (a prompt's messages) as a key: its JSON with sorted keys."""
+    return json.dumps([dict(m) for m in conversation], sort_keys=True)
 
 
 def is_pairwise(judge) -> bool:

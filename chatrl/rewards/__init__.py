@@ -23,7 +23,7 @@ from chatrl.rewards.base import (
     score_on_all_ranks,
     split_weight,
 )
-from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, load_reward_fn
+from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, check_reward_metadata, load_reward_fn
 from chatrl.rewards.http import HttpReward, decode_request, decode_response, encode_request
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "RewardSource",
     "WeightedReward",
     "build_reward",
+    "check_reward_metadata",
     "check_scores",
     "decode_request",
     "decode_response",

@@ -12,11 +12,18 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from chatrl.errors import UsageError
+
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RewardError(RuntimeError):
     """A reward source failed (bad return value, server error, failure on another rank)."""
+
+
+class RewardFunctionError(RewardError, UsageError):
+    """A ``--reward_fn`` raised on the batch it was given (the user's function or the data it needs, such
+    as a prompt row without the ``reference`` of ``exact_match``): printed alone, as a usage error."""
 
 
 @dataclass

@@ -217,7 +217,8 @@ def exact_match(prompts: list[str], answers: list[str], metadata: list[dict]) ->
     out = []
     for i, (answer, meta) in enumerate(zip(answers, metadata, strict=True)):
         if meta.get("reference") is None:
-            raise ValueError(f"exact_match: row {i} has no 'reference' in its metadata")
+            raise ValueError(f"exact_match: row {i} has no 'reference' in its metadata: its prompt rows need a "
+                             "\"reference\" (the expected answer; scripts/make_arith_task.py writes them, docs/rewards.md)")
         ref = reference_value(meta["reference"])
         if ref is None:
             raise ValueError(f"exact_match: row {i}'s reference {meta['reference']!r} holds no number")

@@ -122,7 +122,7 @@ def run(argv: list[str] | None = None) -> dict:
     s: Step1Settings = config.read(Step1Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
     check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 1 (SFT)", s.log, s.optim.seed)
+    info = program.start("step 1 (SFT)", s.log, s.optim.seed, s.ckpt)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     all_turns = s.sft.train_all_assistant_turns
@@ -223,6 +223,8 @@ def run(argv: list[str] | None = None) -> dict:
         metrics["eval/eos_rate"] = rate
         tracker.log({"eval/eos_rate": rate}, step)
         tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: {rate:.1%}")
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:

@@ -191,7 +191,7 @@ def run(argv: list[str] | None = None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 2 (DPO)", s.log, s.optim.seed)
+    info = program.start("step 2 (DPO)", s.log, s.optim.seed, s.ckpt)
 
     tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Phase-2 pairs; over-long prompts are cut from the left, identical pairs skipped and counted.
@@ -322,6 +322,8 @@ def run(argv: list[str] | None = None) -> dict:
         before = initial.get("eval/eos_rate")
         tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
                       + (f" (before DPO: {before:.1%})" if before is not None else ""))
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     save_hf_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:

@@ -143,7 +143,7 @@ def run(argv: list[str] | None = None) -> dict:
     s: Step2Settings = config.read(Step2Settings, args)
     check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
     check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 2 (reward model)", s.log, s.optim.seed)
+    info = program.start("step 2 (reward model)", s.log, s.optim.seed, s.ckpt)
     if s.step2.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
 
@@ -244,6 +244,8 @@ def run(argv: list[str] | None = None) -> dict:
             return {"metrics": metrics, "engine": engine}
     evidence.finish(step)
 
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     save_reward_model(engine.module, tokenizer, s.log.output_dir)
     if info.is_main:

@@ -44,7 +44,7 @@ from chatrl.models import (
 from chatrl.packing import pack
 from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
-from chatrl.rewards import ModelReward, WeightedReward, build_reward
+from chatrl.rewards import ModelReward, WeightedReward, build_reward, check_reward_metadata
 from chatrl.rl import core
 from chatrl.rl.loss import check_rollout_is
 from chatrl.rl.stats import PooledStats
@@ -193,7 +193,7 @@ def build(args, score_fn=None) -> Step3Run:
     adapted = s.fit_loss_aggregation_to_token_budget()
     make_env = load_environment(s.env.env, s.env.env_args) if s.env.env else None
     seed = s.actor_optim.seed
-    info = program.start(f"step 3 ({algorithm.name})", s.log, seed)
+    info = program.start(f"step 3 ({algorithm.name})", s.log, seed, s.ckpt)
     if adapted and info.is_main:
         log.info(adapted)
     tokenizer = load_tokenizer(s.actor.model_name_or_path, padding_side="left",
@@ -205,6 +205,8 @@ def build(args, score_fn=None) -> Step3Run:
         check_tokenizers_compatible(tokenizer, load_tokenizer(reward_path), s.actor.model_name_or_path, reward_path)
 
     data = phase_data(3, s.data, tokenizer, seed, max_prompt_len=rollout.max_prompt_seq_len)
+    check_reward_metadata(s.reward.reward_fn, [data.train[i]["metadata"] for i in range(len(data.train))],
+                          f"--data_path {' '.join(s.data.data_path)}")
     loader = dist.seeded_loader(data.train, rollout.per_device_generation_batch_size,
                                 PromptCollator(tokenizer.pad_token_id, with_metadata=True), info, seed, drop_last=True)
     if (s.ppo.loss_agg_mode is None and s.data.unsupervised_dataset_name and algorithm.loss_agg_mode != "micro-batch-token-mean"
@@ -398,6 +400,8 @@ def _train(run: Step3Run) -> dict:
             ckpt.note_stop(step, tracker)
             return metrics
     evidence.finish()
+    if plan.cap_note:
+        tracker.write(plan.cap_note)
     tracker.close()
     out = s.log.output_dir
     save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")

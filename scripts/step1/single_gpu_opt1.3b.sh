@@ -3,9 +3,10 @@
 # Usage: scripts/step1/single_gpu_opt1.3b.sh [OUTPUT_DIR] [ZERO_STAGE]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/launch_common.sh
 OUTPUT=${1:-output/step1_opt1.3b}; ZERO_STAGE=${2:-0}
 mkdir -p "$OUTPUT"
-deepspeed --num_gpus 1 --module chatrl.step1_sft \
+deepspeed --num_gpus 1 --master_port "$PORT" --module chatrl.step1_sft --resume \
   --model_name_or_path facebook/opt-1.3b \
   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
   --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \

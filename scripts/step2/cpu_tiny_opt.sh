@@ -4,13 +4,14 @@
 # Usage: scripts/step2/cpu_tiny_opt.sh [OUTPUT_DIR] [ZERO_STAGE] [extra flags...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/launch_common.sh
 OUTPUT=${1:-output/step2_cpu_opt}; ZERO_STAGE=${2:-3}
 SHARED=${CHATRL_SHARED:-../shared}
 HH=$SHARED/data/hh-rlhf
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 [ -f output/models/opt/config.json ] || .venv/bin/python scripts/make_tiny_models.py --out output/models --family opt
 mkdir -p "$OUTPUT"
-.venv/bin/deepspeed --num_gpus 2 --module chatrl.step2_reward \
+.venv/bin/deepspeed --num_gpus 2 --master_port "$PORT" --module chatrl.step2_reward --resume \
   --model_name_or_path output/models/opt \
   --data_path "$HH/helpful-base" "$HH/harmless-base" "$HH/helpful-online" "$HH/helpful-rejection-sampled" \
   --data_split 2,4,4 --max_seq_len 256 --per_device_train_batch_size 4 --per_device_eval_batch_size 16 \

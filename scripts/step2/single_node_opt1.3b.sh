@@ -3,9 +3,10 @@
 # Usage: scripts/step2/single_node_opt1.3b.sh [OUTPUT_DIR] [ZERO_STAGE] [extra flags...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/launch_common.sh
 OUTPUT=${1:-output/step2_opt1.3b}; ZERO_STAGE=${2:-3}
 mkdir -p "$OUTPUT"
-deepspeed --module chatrl.step2_reward \
+deepspeed --master_port "$PORT" --module chatrl.step2_reward --resume \
   --model_name_or_path facebook/opt-1.3b \
   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
   --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \

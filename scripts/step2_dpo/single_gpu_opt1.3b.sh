@@ -4,9 +4,10 @@
 # Usage: scripts/step2_dpo/single_gpu_opt1.3b.sh STEP1_OUTPUT [OUTPUT_DIR] [ZERO_STAGE] [extra flags...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/launch_common.sh
 ACTOR=${1:?give the step-1 output folder}; OUTPUT=${2:-output/step2_dpo_opt1.3b}; ZERO_STAGE=${3:-0}
 mkdir -p "$OUTPUT"
-deepspeed --num_gpus 1 --module chatrl.step2_dpo \
+deepspeed --num_gpus 1 --master_port "$PORT" --module chatrl.step2_dpo --resume \
   --model_name_or_path "$ACTOR" \
   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
   --data_split 2,4,4 --max_seq_len 512 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \

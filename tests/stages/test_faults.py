@@ -130,3 +130,40 @@ def test_killed_rank_ends_the_job_and_train_py_resumes(tmp_path):
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 41))
     for step in range(newest + 1, 41):
         assert resumed[step] == pytest.approx(uninterrupted[step], abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_errors_a_user_causes_inside_the_ranks_are_one_line_each(tmp_path):
+    """Errors found inside a rank arrived as 34-63-line tracebacks: a warm-up longer than the run (a
+    per-step script's --num_warmup_steps 10 with a user's --max_steps 3) and a rule reward on prompt
+    rows without references. Each is now one line naming the cause, and no traceback."""
+    from pathlib import Path
+
+    from chatrl.dist import free_port
+
+    def run_ranks(args, check, timeout):  # under the DeepSpeed launcher, as the per-step scripts run them
+        launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port",
+                    str(free_port()), "--module", args[1]]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO)}
+        return subprocess.run([*launcher, *args[2:]], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(64)))
+    common = ["--data_output_path", str(tmp_path / "cache"), "--disable_progress_bar"]
+    step1 = run_ranks(["-m", "chatrl.step1_sft", "--model_name_or_path", str(STORIES), "--data_path",
+                       str(DATA / "hh-rlhf" / "helpful-base[0:200]"), "--data_split", "10,0,0", "--max_seq_len", "128",
+                       "--per_device_train_batch_size", "4", "--max_steps", "3", "--num_warmup_steps", "10",
+                       "--output_dir", str(tmp_path / "sft"), *common], check=False, timeout=300)
+    step3 = run_ranks(["-m", "chatrl.step3_ppo", "--rl_algorithm", "grpo", "--reward_fn", "exact_match",
+                       "--actor_model_name_or_path", str(STORIES), "--data_path", str(prompts), "--data_split", "0,0,10",
+                       "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "8",
+                       "--output_dir", str(tmp_path / "grpo"), *common], check=False, timeout=300)
+    for proc, cause in ((step1, "chatrl: error: --num_warmup_steps 10 must be shorter than the run (3 optimizer steps)"),
+                        (step3, 'chatrl: error: --reward_fn exact_match scores each answer against its prompt row\'s '
+                                '"reference", and ')):
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+        lines = [x for x in out.splitlines() if x.startswith("chatrl: ")]
+        assert lines and all(x.startswith(cause) for x in lines), lines

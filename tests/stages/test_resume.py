@@ -202,3 +202,72 @@ def test_ctrl_c_in_a_step_is_one_line_and_the_same_command_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{saved}'} at optimizer step {saved}" in again.stdout + again.stderr
     assert (out / "chatrl_run.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_the_deepspeed_launcher_is_one_line_and_a_rerun_never_overwrites_the_checkpoints(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the whole job and the DeepSpeed launcher then sends SIGTERM
+    to every rank: the ranks died before their one line (no chatrl line at all), and the same command
+    (a per-step script, without --resume) then started from step 0 over the checkpoints. Now: the one
+    line, and the same command refused in one line naming --resume and --overwrite_output_dir."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from chatrl.dist import free_port
+    from tests.launch import REPO
+
+    out = tmp_path / "sft"
+    flags = _supervised_flags("chatrl.step1_sft", 200, "10,0,0", 40, tmp_path)[1:]  # without "-m"
+    launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port())]
+    cmd = [*launcher, "--module", *flags, "--save_interval", "1", "--zero_stage", "0", "--output_dir", str(out)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # its own process group, as a terminal's foreground job; SIGINT ignored by the DeepSpeed runner as the
+    # per-step scripts have it (`trap '' INT`: the runner's own KeyboardInterrupt traceback), not by the ranks
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step_2" / "complete.json").exists() and proc.poll() is None:
+        assert time.time() < deadline, "no second checkpoint within 300 s"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    output = proc.communicate(timeout=120)[0]
+    lines = [x for x in output.splitlines() if x.startswith("chatrl: interrupted")]
+    assert len(lines) == 1, output[-3000:]
+    assert lines[0].startswith("chatrl: interrupted (Ctrl-C) in step 1 (SFT) after optimizer step ")
+    assert "; saved: the checkpoint " in lines[0]  # step_1 at least (step_2 if its write had been recorded)
+    assert lines[0].endswith("the same command with --resume continues from it")
+    assert "Traceback" not in output, output[-3000:]
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2
+    newest = sorted(kept, key=lambda n: int(n[5:]))[-1]
+    assert again.stderr.strip().splitlines()[-2] == (
+        f"python -m chatrl.step1_sft: error: --output_dir {out} holds the checkpoints of an unfinished run (newest: "
+        f"{newest}); add --resume to continue from it, or --overwrite_output_dir to start afresh")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
+
+
+@pytest.mark.slow
+def test_a_run_started_afresh_in_a_used_folder_keeps_nothing_of_the_earlier_run(tmp_path):
+    """--overwrite_output_dir kept the earlier run's metrics rows before the new run's (the results line
+    and the report compared two runs), its later checkpoints (a new step_2 beside an old step_4 was
+    deleted at once, --save_total_limit keeping the newest) and its snapshots."""
+    out = tmp_path / "sft"
+    flags = [*_supervised_flags("chatrl.step1_sft", 200, "10,0,0", 6, tmp_path), "--zero_stage", "0",
+             "--output_dir", str(out)]
+    run_ranks(flags, nprocs=1, timeout=400)
+    first = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    (out / "snapshots" / "step_3").mkdir(parents=True)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    run_ranks([*flags[:flags.index("--max_steps") + 1], "3", *flags[flags.index("--max_steps") + 2:],
+               "--overwrite_output_dir"], nprocs=1, timeout=400)
+    rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in first) == 6 and max(r["step"] for r in rows) == 3
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and steps.count(0) == 1, steps
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+    assert not (out / "snapshots").exists()

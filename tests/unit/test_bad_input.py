@@ -18,6 +18,7 @@ from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
 from chatrl.cli import parse
 from chatrl.config import LoraConfig
 from chatrl.data import build_phase_data, load_samples
+from chatrl.errors import UsageError
 from chatrl.models import apply_lora, load_causal_lm, load_tokenizer, torch_dtype
 from chatrl.sizes import BatchSizes
 from tests.conftest import STORIES, TOKENIZERS
@@ -189,7 +190,7 @@ def test_finished_output_dir_message_names_folder_marker_and_both_flags(tmp_path
     (tmp_path / "notes.txt").write_text("not a finished run")
     check_output_dir(str(tmp_path), overwrite=False)  # files, but no run marker: fine
     write_run_marker(str(tmp_path), {"step": 2})
-    with pytest.raises(FileExistsError) as err:
+    with pytest.raises(UsageError) as err:
         check_output_dir(str(tmp_path), overwrite=False)
     assert str(err.value) == (f"{tmp_path} already holds a finished run ({RUN_MARKER}); pass --overwrite_output_dir "
                               "to replace it or choose another --output_dir")

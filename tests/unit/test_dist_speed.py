@@ -444,3 +444,35 @@ def test_lean_bf16_zero0_step_takes_deepspeeds_steps(clip, tmp_path):
         assert min(n for n, _ in res["norms"][:4]) > clip  # every finite step was clipped
     assert res["moved"] > 0  # every trained tensor changed
     assert res["diff"] == 0.0, res
+
+
+_ALL_GATHER_PROBE = r"""
+import os, sys, warnings
+os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+import torch
+from deepspeed import comm
+from chatrl import dist
+dist.init_distributed()
+out = torch.zeros(3)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    comm.all_gather_into_tensor(out, torch.tensor([1.0, 2.0, 3.0]))
+print("GATHERED", out.tolist(), "WARNINGS", [str(w.message)[:60] for w in caught])
+"""
+
+
+def test_deepspeed_all_gather_calls_no_deprecated_torch_function():
+    """ZeRO-3's parameter fetches go through DeepSpeed's all-gather, which called torch's deprecated
+    ``all_gather_into_tensor`` (a FutureWarning per call site and process)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", _ALL_GATHER_PROBE, str(dist.free_port())], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"})
+    line = [x for x in proc.stdout.splitlines() if x.startswith("GATHERED")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert line[0] == "GATHERED [1.0, 2.0, 3.0] WARNINGS []"

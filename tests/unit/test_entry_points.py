@@ -7,6 +7,7 @@ import pytest
 
 from chatrl.checkpoint import check_output_dir, write_run_marker
 from chatrl.cli import normalize_argv
+from chatrl.errors import UsageError
 from chatrl.models import load_tokenizer
 from tests.conftest import REPO, STORIES
 
@@ -31,7 +32,7 @@ def test_dash_and_underscore_flags_are_the_same():
 def test_finished_output_is_not_clobbered(tmp_path):
     check_output_dir(str(tmp_path), overwrite=False)  # empty folder: fine
     write_run_marker(str(tmp_path), {"step": 1})
-    with pytest.raises(FileExistsError, match="--overwrite_output_dir"):
+    with pytest.raises(UsageError, match="--overwrite_output_dir"):
         check_output_dir(str(tmp_path), overwrite=False)
     check_output_dir(str(tmp_path), overwrite=True)
 
@@ -240,7 +241,8 @@ def test_train_py_reads_local_paths_from_the_callers_folder(tmp_path):
     (data / "my_reward.py").write_text("def score(p, a, m):\n    return [0.0] * len(a)\n")
     (data / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
     pipe = train.plan(["--actor-model", "model", "--data-path", "rows.jsonl.gz[0:128]", "Dahoas/rm-static",
-                       "--rl-algorithm", "grpo", "--reward-fn", "my_reward.py:score", "mypkg.mod:fn", "exact_match",
+                       "--rl-algorithm", "grpo", "--reward-fn", "my_reward.py:score",
+                       "chatrl.rewards.builtin:regex_format", "exact_match",
                        "--deployment-type", "multi_node", "--hostfile", "hosts", "--node-rank", "1",
                        "--output-dir", "out", "--step", "1", "3",
                        "--step3-args", "--unsupervised_dataset_name ptx.jsonl --reward_fn 0.5*my_reward.py:score "
@@ -251,7 +253,7 @@ def test_train_py_reads_local_paths_from_the_callers_folder(tmp_path):
     step1, step3 = (" ".join(r.argv) for r in pipe.runs)
     assert f"--model_name_or_path {data / 'model'} " in step1 and f"--output_dir {data / 'out' / 'step1_actor'}" in step1
     assert f"--data_path {data / 'rows.jsonl.gz'}[0:128] Dahoas/rm-static " in step1
-    assert f"--reward_fn {data / 'my_reward.py'}:score mypkg.mod:fn exact_match " in step3
+    assert f"--reward_fn {data / 'my_reward.py'}:score chatrl.rewards.builtin:regex_format exact_match " in step3
     assert f"--unsupervised_dataset_name {data / 'ptx.jsonl'} --reward_fn 0.5*{data / 'my_reward.py'}:score" in step3
     assert f"--tensorboard_path={data / 'tb'} --critic_model_name_or_path facebook/opt-350m" in step3
 
@@ -289,3 +291,64 @@ def test_train_py_dtype_auto_by_default_the_demo_pins_fp32_and_a_given_dtype_win
     own = ["--actor-model", str(STORIES), "--reward-model", str(STORIES), "--deployment-type", "cpu",
            "--data-path", str(DATA / "hh-rlhf" / "helpful-base"), *out]
     assert dtypes(own) == {1: "auto", 2: "auto", 3: "auto"}  # each step resolves it and prints its choice
+
+
+def test_a_data_path_given_with_the_demo_preset_wins_and_a_missing_one_is_refused(tmp_path):
+    """`train.py --preset demo --data-path X` ran the whole demo on the preset's data without a word,
+    even with a misspelt X; the user's --data-path now feeds every step, and one that does not exist
+    is refused in one line before any step starts."""
+    rows = tmp_path / "mine.jsonl"
+    rows.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n' * 40)
+    out = ["--output-dir", str(tmp_path / "o")]
+    runs = train.plan(["--preset", "demo", *out, "--data-path", str(rows)]).runs
+    for r in runs:
+        i = r.argv.index("--data_path")
+        assert r.argv[i + 1:i + 3] == [str(rows), "--data_split"], (r.step, r.argv[i:i + 4])
+    with pytest.raises(SystemExit) as e:
+        train.plan(["--preset", "demo", *out, "--data-path", str(tmp_path / "mine.jsonl.gz")])
+    assert str(e.value) == f"train.py: --data-path {tmp_path / 'mine.jsonl.gz'}: no such file or folder"
+
+
+def test_a_rule_reward_run_gets_its_data_and_reward_checked_before_step_1(tmp_path):
+    """With `--reward-fn exact_match` one data file failed in step 3 after step 1 had run (SFT rows feed
+    step 1 only, prompt rows step 3 only), and a misspelt --reward-fn failed in step 3 too. The
+    documented way, `--data-path sft.jsonl prompts.jsonl`, plans; the others stop train.py before
+    step 1, in one line each."""
+    sft, prompts, bare = tmp_path / "sft.jsonl", tmp_path / "prompts.jsonl", tmp_path / "bare.jsonl"
+    sft.write_text("".join(f'{{"prompt": "What is {i} + 1?", "chosen": "{i + 1}"}}\n' for i in range(40)))
+    prompts.write_text("".join(f'{{"prompt": "What is {i} + 1?", "reference": "{i + 1}"}}\n' for i in range(40)))
+    bare.write_text("".join(f'{{"prompt": "What is {i} + 1?"}}\n' for i in range(40)))
+    base = ["--actor-model", str(STORIES), "--deployment-type", "cpu", "--rl-algorithm", "grpo",
+            "--output-dir", str(tmp_path / "o")]
+    pipe = train.plan([*base, "--reward-fn", "exact_match", "--data-path", str(sft), str(prompts)])
+    assert [r.step for r in pipe.runs] == [1, 3]
+    with pytest.raises(SystemExit) as e:
+        train.plan([*base, "--reward-fn", "exact_match", "--data-path", str(prompts)])
+    assert str(e.value) == (f"train.py: step 1 (supervised fine-tuning) gets no training rows from its data ({prompts} "
+                            "holds prompt rows ({prompt, reference}), which feed step 3 only): give each step its "
+                            "rows in one --data-path list, e.g. --data-path sft.jsonl prompts.jsonl (docs/critic_free.md)")
+    with pytest.raises(SystemExit) as e:
+        train.plan([*base, "--reward-fn", "exact_match", "--data-path", str(sft)])
+    assert str(e.value).startswith("train.py: step 3 (RLHF, grpo) gets no training rows from its data (")
+    with pytest.raises(SystemExit) as e:
+        train.plan([*base, "--reward-fn", "exact_match", "--data-path", str(sft), str(bare)])
+    assert str(e.value).startswith('train.py: step 3 (RLHF, grpo): --reward_fn exact_match scores each answer against '
+                                   'its prompt row\'s "reference", and 38 of the 38 step-3 prompt rows')
+    with pytest.raises(SystemExit) as e:
+        train.plan([*base, "--reward-fn", "exact_mach", "--data-path", str(sft), str(prompts)])
+    assert str(e.value) == ("train.py: --reward-fn 'exact_mach': expected module:function, path/to/file.py:function or "
+                            "one of ['exact_match', 'regex_format']")
+    flags = train.eval_flags(pipe, None)
+    assert flags["judge"] == "exact_match"  # the evaluation judges with the run's reward function
+
+
+def test_chat_refuses_a_mistyped_model_folder_in_one_line(tmp_path, monkeypatch, capsys):
+    """`chat.py --path output/step3_rlhf/actr` was a 40-line traceback from the loader."""
+    (tmp_path / "output" / "step3_rlhf").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        chat.main(["--path", "output/step3_rlhf/actr"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2].endswith("error: --path output/step3_rlhf/actr: no such folder (a trained model's folder, e.g. "
+                            "output/step3_rlhf/actor)")

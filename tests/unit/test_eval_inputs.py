@@ -120,6 +120,26 @@ def test_function_judge_errors(tmp_path):
         RewardModelJudge(str(STORIES), "--gold_judge")
 
 
+def test_a_built_in_rule_reward_judges_with_each_prompt_rows_reference(tmp_path):
+    """train.py's evaluation of a rule-reward run passed `--judge exact_match`, refused as "no such
+    folder"; and a function judge was given empty metadata, so exact_match had no reference to
+    compare with. The held-out prompts now carry their rows' metadata to the judge."""
+    from chatrl.eval.judges import conversation_key
+
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "reference": str(i + 1)}) + "\n"
+                            for i in range(3)))
+    prompts = load_prompts([str(rows)])
+    assert [p.metadata["reference"] for p in prompts] == ["1", "2", "3"]
+    judge = load_judge("exact_match", "--judge")
+    assert isinstance(judge, FunctionJudge)
+    judge.metadata = {conversation_key(p.messages): p.metadata for p in prompts}
+    conversations = [p.messages for p in prompts]
+    assert judge.score(conversations, ["1", "5", "The answer is 3."]) == [1.0, 0.0, 1.0]
+    with pytest.raises(UsageError, match="or a built-in reward"):
+        load_judge("exact_mach", "--judge")
+
+
 def test_snapshots_are_written_every_interval_but_the_last_and_listed_in_step_order(tmp_path, capsys):
     from chatrl.cli import parse
     from chatrl.models import load_causal_lm, load_tokenizer

@@ -90,3 +90,26 @@ def test_run_length_defaults_adapt_to_a_short_run_and_say_so_once():
     assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 3, None).notes == ()
     assert plan_steps(114, 1, BatchSizes(1, 1, 1), 1, 0, 0.08).num_warmup_steps == 10
     assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 3, None, default_warmup=5).num_warmup_steps == 0
+
+
+def test_a_given_warmup_too_long_is_a_usage_error_and_a_run_ending_before_max_steps_says_so():
+    """A per-step script's `--num_warmup_steps 10` with a user's `--max_steps 10` ended in a traceback
+    per rank (a ValueError): it is a usage error now, printed alone. `--max_steps` is only a cap: a run
+    that ends before it (step 1 ran 24 of a documented 160) says so once, at its end."""
+    from chatrl.errors import UsageError
+
+    with pytest.raises(UsageError, match="--num_warmup_steps 10 must be shorter than the run"):
+        plan_steps(25, 100, BatchSizes(4, 2, 1), 1, 10, 10)
+    with pytest.raises(UsageError, match="--per_device_generation_batch_size"):
+        ppo(per_device_generation_batch_size=3)
+    short = plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 160, 0)  # 12 steps per epoch, 2 epochs: 24 of 160
+    assert short.total_steps == 24
+    assert short.cap_note == ("--max_steps 160 is a cap: this run ended after 24 optimizer steps, when its 2 epochs "
+                              "of 100 samples ran out (--num_train_epochs, or more data, for a longer run)")
+    assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 24, 0).cap_note is None  # the cap is reached
+    assert plan_steps(25, 100, BatchSizes(4, 2, 1), 2, 0, 0).cap_note is None  # no cap
+    # step 3: 10 generation batches / 2 per buffer = 5 buffers per epoch, 3 epochs: 15 of 40
+    assert ppo(max_steps=40).cap_note == ("--max_steps 40 is a cap: this run ended after 15 steps (experience buffers), "
+                                          "when its 3 epochs of 80 prompts ran out (--num_train_epochs, or more prompts, "
+                                          "for a longer run)")
+    assert ppo(max_steps=15).cap_note is None and ppo(max_steps=4).cap_note is None

@@ -65,6 +65,25 @@ def test_plain_optimizer_clips_to_max_norm_with_the_guards_norm():
     assert torch.allclose(w.detach(), torch.tensor([0.1, 0.8]), atol=1e-6)
 
 
+def test_the_guard_keeps_the_schedules_step_tracking_and_no_warning_is_raised():
+    """The guard wraps ZeRO-0's optimizer after its learning-rate schedule was built (DeepSpeed's
+    engine steps the schedule after each optimizer step); torch warned "optimizer.step() has been
+    overridden" at the schedule's first step, once per trained model and rank."""
+    import warnings
+
+    w = torch.nn.Parameter(torch.tensor([1.0]))
+    base = torch.optim.SGD([w], lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(base, lambda s: 0.5 * (s + 1))
+    opt = skip_nonfinite_steps(base)
+    w.grad = torch.tensor([1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        schedule.step()
+    assert base._opt_called is True  # the schedule's tracking ran inside the guarded step
+    assert w.item() == pytest.approx(1.0 - 0.5) and base.param_groups[0]["lr"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("interval,total,due", [(2, 7, [2, 4, 6]), (3, 6, [3]), (0, 5, [])])
 def test_checkpoint_is_due_every_interval_but_not_after_the_last_step(interval, total, due):
     ckpt = LoopCheckpoints(CheckpointConfig(save_interval=interval), "out", {}, {"world_size": 1})

@@ -56,7 +56,7 @@ def test_reference_server_reports_bad_requests_and_failing_rewards(reference_ser
     bad = RewardBatch(["q"], ["7"], [{}], step=9)  # exact_match needs a reference: the server answers 500
     t0 = time.time()
     with pytest.raises(RewardError, match=rf"reward server {reference_server} at step 9: failed after 2 "
-                                          r"attempt\(s\): HTTP 500: RewardError: .*row 0 has no 'reference'"):
+                                          r"attempt\(s\): HTTP 500: RewardFunctionError: .*row 0 has no 'reference'"):
         HttpReward(reference_server, timeout=10, retries=1)(bad)
     assert time.time() - t0 < 5
     import urllib.error

@@ -265,3 +265,30 @@ def test_reward_batch_from_tokens_decodes_prompt_and_answer_only():
     assert FunctionReward("exact_match")(RewardBatch(b.prompts[:1], b.answers[:1], b.metadata[:1])).tolist() == [1.0]
     with pytest.raises(ValueError, match="1 metadata rows for 2 sequences"):
         reward_batch_from_tokens(tok, seq, mask, act, P, [{}])
+
+
+def test_reward_errors_a_user_causes_are_usage_errors_named_in_one_line(tmp_path):
+    """An unknown --reward_fn and rule rewards on rows without their field were tracebacks of 34-63 lines
+    per rank; each is a UsageError now (printed alone), and a missing reference is found before any
+    answer is generated, naming the field, the rows and the fix."""
+    from chatrl.errors import UsageError
+    from chatrl.rewards import check_reward_metadata
+    from chatrl.rewards.base import RewardBatch
+
+    for spec in ("exact", "no_such_module_xyz:f", "chatrl.rewards.builtin:nope"):
+        with pytest.raises(UsageError, match="--reward_fn"):
+            load_reward_fn(spec)
+    with pytest.raises(ImportError):  # still the kind of error it was
+        load_reward_fn("no_such_module_xyz:f")
+    rows = [{"reference": "2"}, {}, None, {"reference": 0}]
+    with pytest.raises(UsageError) as err:
+        check_reward_metadata(["0.5*exact_match", "regex_format"], rows, "--data_path p.jsonl")
+    assert str(err.value) == ('--reward_fn exact_match scores each answer against its prompt row\'s "reference", and '
+                              '2 of the 4 step-3 prompt rows of --data_path p.jsonl have none (row 1 first): give '
+                              'prompt rows with a "reference" (scripts/make_arith_task.py writes them; docs/rewards.md)')
+    check_reward_metadata(["chatrl.rewards.builtin:regex_format"], rows, "x")  # no field it cannot do without
+    with pytest.raises(UsageError):
+        check_reward_metadata(["chatrl.rewards.builtin:exact_match"], rows[1:2], "x")  # the long name too
+    batch = RewardBatch(prompts=["p"], answers=["2"], metadata=[{}], step=1)
+    with pytest.raises(UsageError, match="exact_match: row 0 has no 'reference'"):
+        FunctionReward("exact_match")(batch)
