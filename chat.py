@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import config
+from chatrl import config, model_zoo
 from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
 from chatrl.conversation import HUMAN_MARKER, ToolSession, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
 from chatrl.dist import place_threads_for_load
 from chatrl.envs import load_environment
+from chatrl.errors import UsageError
 from chatrl.models import (
         check_context_window,
         context_window,
@@ -121,11 +122,13 @@ def human_turns(interactive: bool, clear: Callable[[], None]) -> Iterator[str]:
 
 def check_model_folder(parser, flag: str, path: str | None) -> None:
     """Refuse, in one line, a model path that names a local folder that does not exist (it starts
-    with ``/``, ``.`` or ``~``, or its first part is a folder here: ``output/step3_rlhf/actr``);
+    with ``/``, ``.`` or ``~``, its first part is a folder here: ``output/step3_rlhf/actr``, or it has
+    more parts than a hub name's ``namespace/name``: ``output/step3_rlhf/actor`` before any run);
     hub names (``facebook/opt-1.3b``) are left to the loader."""
     if not path or Path(path).expanduser().is_dir():
         return
-    if path.startswith(("/", ".", "~")) or Path(path.split("/", 1)[0]).expanduser().is_dir():
+    if path.startswith(("/", ".", "~")) or Path(path.split("/", 1)[0]).expanduser().is_dir() \
+            or path.strip("/").count("/") >= 2:
         parser.error(f"{flag} {path}: no such folder (a trained model's folder, e.g. output/step3_rlhf/actor)")
 
 
@@ -133,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     for flag in ("path", "compare"):
         check_model_folder(build_parser(), f"--{flag}", getattr(args, flag, None))
+        if getattr(args, flag, None) and not Path(getattr(args, flag)).is_dir():
+            try:  # a packaged model's name (smollm2-135m-instruct), a short name or a .gguf file
+                setattr(args, flag, model_zoo.resolve(getattr(args, flag)))
+            except UsageError as err:
+                build_parser().error(f"--{flag}: {err}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.web:
         if args.env:

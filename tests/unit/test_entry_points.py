@@ -352,3 +352,9 @@ def test_chat_refuses_a_mistyped_model_folder_in_one_line(tmp_path, monkeypatch,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-2].endswith("error: --path output/step3_rlhf/actr: no such folder (a trained model's folder, e.g. "
                             "output/step3_rlhf/actor)")
+    monkeypatch.chdir(tmp_path / "output")  # the README's command before any run: no output/ here
+    with pytest.raises(SystemExit) as e:
+        chat.main(["--path", "output/step3_rlhf/actor"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-2].endswith(
+        "error: --path output/step3_rlhf/actor: no such folder (a trained model's folder, e.g. output/step3_rlhf/actor)")
