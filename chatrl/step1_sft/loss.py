@@ -41,9 +41,10 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             labels: torch.Tensor, packed: PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_nll` of ``model`` on a batch, with the LM head run on the labelled positions only
-    (:func:`chatrl.models.labelled_token_logits`) and the log-probs taken a few positions at a time
-    (:func:`chatrl.logprobs.token_logprobs`: no ``(N, V)`` float32 copy of the logits, which for a
-    49K vocabulary in bf16 would be the step's largest tensor); the same sum up to float32 rounding.
+    (:func:`chatrl.models.labelled_token_logits`); for bf16 (or fp16) logits the log-probs are taken a
+    few positions at a time (:func:`chatrl.logprobs.token_logprobs`: no ``(N, V)`` float32 copy, which for
+    a 49K vocabulary would be the step's largest tensor), for fp32 logits by ``cross_entropy`` as
+    before (the same bits as earlier runs); the same sum up to float32 rounding.
 
     Args:
         model: an HF causal LM, possibly under a DeepSpeed engine or peft wrapper.
@@ -56,6 +57,8 @@ def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         ``(nll_sum, n_tokens)``: a scalar float32 tensor (nats) and a scalar long tensor.
     """
     logits, targets = labelled_token_logits(model, input_ids, attention_mask, labels, IGNORE_INDEX, packed)
+    if logits.dtype == torch.float32:  # no copy to avoid: the log-softmax of fp32 logits, as always
+        return F.cross_entropy(logits, targets, reduction="sum"), labels.new_tensor(targets.numel())
     # a few positions at a time (token_logprobs): never an (N, V) float32 copy of a bf16 head's logits
     nll = -token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0)).sum()
     return nll, labels.new_tensor(targets.numel())

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from chatrl.data.collate import PackedPairCollator, PairCollator, pad_sequences, to_device
 from chatrl.logprobs import token_logprobs
@@ -82,7 +83,8 @@ def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.
     The LM head runs on the ``M`` positions that predict an answer token only
     (:func:`chatrl.models.token_logits_at`): a pair's prompt, most of its tokens on chat data, needs
     no vocabulary projection, so the step's largest matmul shrinks with it; the log-probs are taken a
-    few positions at a time (:func:`chatrl.logprobs.token_logprobs`), never as an ``(M, V)`` float32 copy. The numbers are :func:`chatrl.step2_dpo.loss.answer_logps` over full logits,
+    few positions at a time (:func:`chatrl.logprobs.token_logprobs`) for bf16 logits, never as an ``(M, V)``
+    float32 copy. The numbers are :func:`chatrl.step2_dpo.loss.answer_logps` over full logits,
     padded or packed (``tests/unit/test_dpo_loss.py``); a sequence's first token is never scored
     (nothing predicts it).
     """
@@ -96,7 +98,11 @@ def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.
         rows, cols = b["answer_mask"][:, 1:].nonzero(as_tuple=True)
         seq, n, ids = rows, b["input_ids"].shape[0], b["input_ids"]
     logits = token_logits_at(model, rows, cols, b["input_ids"], b["attention_mask"], packed)
-    token_logp = token_logprobs(logits.unsqueeze(0), ids[rows, cols + 1].unsqueeze(0)).squeeze(0)  # chunked, fp32
+    targets = ids[rows, cols + 1]
+    if logits.dtype == torch.float32:  # fp32 logits: the log-softmax as always (the same bits as earlier runs)
+        token_logp = -F.cross_entropy(logits, targets, reduction="none")
+    else:  # a few positions at a time: no (M, V) float32 copy of bf16 logits
+        token_logp = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0)).squeeze(0)
     return token_logp.new_zeros(n).index_add(0, seq, token_logp), torch.bincount(seq, minlength=n)
 
 
