@@ -56,3 +56,18 @@ def tiny_qwen2(tmp_path_factory, shared) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "qwen2"
     make_tiny_model("qwen2", out, TinySpec(hidden=64, layers=2, heads=4, ffn=256))
     return out
+
+
+def forget_process_group() -> None:
+    """Destroy the one-rank process group an in-process main started, and DeepSpeed's cached clone of its
+    world group (``deepspeed.utils.groups._WORLD_GROUP``), which would otherwise name a destroyed group
+    when a later module starts a main in the same process ("Group ... is not registered")."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    try:
+        from deepspeed.utils import groups
+    except ImportError:
+        return
+    groups._WORLD_GROUP = None

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import DATA
+from tests.conftest import DATA, forget_process_group
 
 HH = str(DATA / "hh-rlhf" / "helpful-base")
 PROMPTS = str(DATA / "prompts")
@@ -30,12 +30,10 @@ def _one_rank_group_left_behind():
     as subprocesses neither inherit the port nor find it taken."""
     import os
 
-    import torch
 
     saved = dict(os.environ)
     yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    forget_process_group()
     os.environ.clear()
     os.environ.update(saved)
 

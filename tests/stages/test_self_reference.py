@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import DATA, STORIES
+from tests.conftest import DATA, STORIES, forget_process_group
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -21,8 +21,7 @@ def _one_rank_group_left_behind():
 
     saved = dict(os.environ)
     yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    forget_process_group()
     os.environ.clear()
     os.environ.update(saved)
 
