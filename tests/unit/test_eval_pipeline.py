@@ -3,6 +3,7 @@ step 2's program on it, and the evaluation's command line follows the finished r
 seed and lengths)."""
 
 import importlib.util
+import json
 import sys
 
 import numpy as np
@@ -68,8 +69,13 @@ def test_the_evaluation_follows_the_finished_runs(tmp_path):
 
 
 def test_the_judge_without_step2_and_after_dpo(tmp_path):
+    # a rule reward needs prompt rows with references: step 1 its SFT rows, step 3 its prompt rows (one list)
+    sft, prompts = tmp_path / "sft.jsonl", tmp_path / "prompts.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?", "chosen": str(a + 1)}) + "\n" for a in range(40)))
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "reference": str(a + 2)}) + "\n"
+                               for a in range(40)))
     rule = train.plan(["--preset", "demo", "--output-dir", str(tmp_path / "r"), "--reward-fn", "exact_match",
-                       "--rl-algorithm", "grpo"])
+                       "--rl-algorithm", "grpo", "--data-path", str(sft), str(prompts)])
     _finished(rule.dirs, {"data_path": ["a.jsonl"]})
     assert train.eval_flags(rule, None)["judge"] == "exact_match"  # the one function is the judge
     dpo = train.plan(["--preset", "demo", "--output-dir", str(tmp_path / "d"), "--step2-method", "dpo"])
