@@ -135,16 +135,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def gguf_dir(path: Path) -> Path:
+    """Where the GGUF file ``path`` is converted: ``home()/models/gguf-<sha256 prefix>-<stem>``."""
+    return home() / "models" / f"gguf-{_sha256(path)[:16]}-{path.stem}"
+
+
 def converted_gguf(path: Path) -> Path:
-    """The HF folder converted from the GGUF file ``path`` (``home()/models/gguf-<sha256 prefix>-<stem>``),
-    converting it first when it is not there yet; ranks that ask at once wait on one lock.
+    """The HF folder converted from the GGUF file ``path`` (:func:`gguf_dir`), converting it first when it is not there yet; ranks that ask at once wait on one lock.
 
     Raises:
         UsageError: the file does not convert (:func:`convert_gguf`).
     """
     import fcntl
 
-    folder = home() / "models" / f"gguf-{_sha256(path)[:16]}-{path.stem}"
+    folder = gguf_dir(path)
     if is_converted(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
             if not path.is_file():
                 raise UsageError(f"{a.model}: no such GGUF file")
             if a.force:
-                shutil.rmtree(home() / "models" / f"gguf-{_sha256(path)[:16]}-{path.stem}", ignore_errors=True)
+                shutil.rmtree(gguf_dir(path), ignore_errors=True)
             folder = converted_gguf(path)
         else:
             done = is_converted(model_dir(a.model.lower())) and not a.force
