@@ -377,9 +377,10 @@ def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: 
 
 
 def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Path,
-             nodes: tuple[dict[str, int], int | None] | None = None, name: str | None = None) -> float:
+             nodes: tuple[dict[str, int], int | None] | None = None, name: str | None = None) -> tuple[float, float]:
     """Run one step, streaming its output to the terminal and ``log_path`` (appended: a resumed step
-    keeps the log of its earlier attempts); returns seconds taken.
+    keeps the log of its earlier attempts); returns seconds taken and the peak resident memory of its
+    largest process in MiB (:func:`wait_peak`: the launcher's and every rank's, 0 where unknown).
 
     Raises:
         SystemExit: the step failed; the message names the step, the ranks that failed and how,
@@ -406,7 +407,7 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
                 elif _worth_showing(line):
                     print(("\n" if drawn else "") + f"  [step {step}] {line.rstrip()}", flush=True)
                     drawn = False
-            code = proc.wait()
+            code, peak = wait_peak(proc)
         except KeyboardInterrupt:
             _wind_down(proc, log)
             raise Interrupted(step, name or STEP_NAMES[step], step_dir, log_path) from None
@@ -432,7 +433,18 @@ def run_step(step: int, cmd: list[str], env: dict, log_path: Path, step_dir: Pat
         why = "".join(f"\n  {f}" for f in dict.fromkeys(failures))
         raise SystemExit(f"train.py: step {step} ({name or STEP_NAMES[step]}) failed with exit code {code}{why}\n"
                          f"  {resume}\n  full log: {log_path}")
-    return time.time() - t0
+    return time.time() - t0, peak
+
+
+def wait_peak(proc: subprocess.Popen) -> tuple[int, float]:
+    """Wait for ``proc``; its exit code and the peak resident memory (MiB) of the largest process of its
+    tree: ``wait4``'s ``ru_maxrss`` (KiB on Linux) covers the child and every descendant it waited for,
+    so a launcher's figure is its largest rank's. 0 where ``os.wait4`` is missing (Windows)."""
+    if not hasattr(os, "wait4"):
+        return proc.wait(), 0.0
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss / 1024
 
 
 class Interrupted(Exception):
@@ -734,14 +746,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"step {s} ({r.name}) → {r.out_dir}  (log: {log_path})"
               + (f"; resuming from {ckpts[-1].name}" if ckpts else ""), flush=True)
         try:
-            times[s] = run_step(s, step_cmd, pipe.env, log_path, r.out_dir, pipe.nodes, r.name)
+            times[s], peak = run_step(s, step_cmd, pipe.env, log_path, r.out_dir, pipe.nodes, r.name)
         except Interrupted as stop:  # one line: what is kept and how to go on
             print(("\n" if sys.stdout.isatty() else "") + stop.message(a.overwrite), flush=True)
             raise SystemExit(130) from None
         except BaseException:  # a failed step: its curves and alerts help to see why
             print(report_note(out), flush=True)
             raise
-        print(f"step {s} done in {times[s] / 60:.1f} min", flush=True)
+        print(f"step {s} done in {times[s] / 60:.1f} min; peak resident memory of a process {peak / 1024:.2f} GiB",
+              flush=True)
+        record_cost(out, f"step{s}", times[s], peak)
         print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
     evaluate_pipeline(pipe)
     if a.step2_method == "dpo":
@@ -883,12 +897,14 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
             log_path = out / "logs" / "step2_gold.log"
             print(f"step 2 ({r.name}) → {r.out_dir}  (log: {log_path})", flush=True)
             try:
-                took = run_step(2, [*pipe.launcher, "--module", r.module, *r.argv], pipe.env, log_path, r.out_dir,
-                                pipe.nodes, r.name)
+                took, peak = run_step(2, [*pipe.launcher, "--module", r.module, *r.argv], pipe.env, log_path,
+                                      r.out_dir, pipe.nodes, r.name)
             except Interrupted as stop:
                 print(("\n" if sys.stdout.isatty() else "") + stop.message(a.overwrite), flush=True)
                 raise SystemExit(130) from None
-            print(f"step 2 ({r.name}) done in {took / 60:.1f} min", flush=True)
+            print(f"step 2 ({r.name}) done in {took / 60:.1f} min; peak resident memory of a process "
+                  f"{peak / 1024:.2f} GiB", flush=True)
+            record_cost(out, "gold_reward", took, peak)
     result = out / "eval" / "eval.json"
     newest = max((f / RUN_MARKER).stat().st_mtime for f in (final, dirs[1], gold) if f is not None and
                  (f / RUN_MARKER).exists())
@@ -917,12 +933,28 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
             log.write(line)
             if _worth_showing(line) and not _PROGRESS.search(line):
                 print(f"  {line.rstrip()}", flush=True)
-        code = proc.wait()
+        code, peak = wait_peak(proc)
     print(report_note(out), flush=True)
     if code != 0:
         raise SystemExit(f"train.py: the evaluation failed with exit code {code}; the models are saved. Full log: "
                          f"{log_path}; rerun the same command to evaluate again (finished steps are skipped)")
-    print(f"evaluation done in {time.time() - t0:.0f} s: {result}", flush=True)
+    record_cost(out, "evaluation", time.time() - t0, peak)
+    print(f"evaluation done in {time.time() - t0:.0f} s (peak resident memory {peak / 1024:.2f} GiB): {result}",
+          flush=True)
+
+
+def record_cost(out: Path, part: str, seconds: float, peak_mib: float) -> None:
+    """Keep what a part of the pipeline cost in ``OUTPUT/logs/costs.json`` (``{part: {"wall_s",
+    "peak_rss_mib", "finished"}}``, the last run of each part): the figures the docs quote per step."""
+    path = out / "logs" / "costs.json"
+    try:
+        costs = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        costs = {}
+    costs[part] = {"wall_s": round(seconds, 1), "peak_rss_mib": round(peak_mib, 1),
+                   "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
