@@ -49,6 +49,12 @@ AGREEMENT_BOUNDS = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.1}
 #: norm itself (torch's float32 norm of a 3.2M-element embedding gradient is off by 3e-4 on CPU).
 LOSS_SCALE_RTOL = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
 
+#: Sequences (or pairs) per part of the loss-scale probe's reference: its one-micro-batch loss is summed
+#: part by part, each part's gradient taken before the next (the same gradient up to rounding), so rank 0
+#: never holds a whole global batch's activations and logits (on a 135M model with a 49K vocabulary, a
+#: global batch of 16 × 256 tokens in one piece took rank 0 from 5 to 11 GiB).
+PROBE_CHUNK = 4
+
 PROPERTIES = {"agreement": "sampler/trainer agreement", "weight_version": "weight version",
               "data_accounting": "data accounting", "loss_scale": "loss scale"}
 
@@ -366,8 +372,11 @@ class LossScaleProbe:
             engine_norm: ``engine.get_global_grad_norm()`` after the first optimizer step.
             items: this rank's part of the step's global batch (any picklable object: sample indices,
                 CPU rollouts); gathered to rank 0 as a list in rank order.
-            reference_loss: ``reference_loss(model, items_of_every_rank) -> 0-dim loss`` of the whole
-                global batch as one micro-batch (rank 0 only).
+            reference_loss: ``reference_loss(model, items_of_every_rank)`` of the whole global batch as
+                one micro-batch (rank 0 only): a 0-dim loss, or an iterable of 0-dim parts whose sum is
+                that loss (each part's own share of it, e.g. a few sequences' summed NLL over the global
+                batch's token count): each part's gradient is taken before the next is computed, so a
+                real model's global batch never holds its activations at once (:func:`loss_parts`).
             train_mode: run the copy in training mode (as the loop ran the engine).
 
         Returns:
@@ -387,11 +396,13 @@ class LossScaleProbe:
             model = self.copy
             model.train(train_mode)
             model.zero_grad(set_to_none=True)
-            loss = reference_loss(model, gathered)
-            loss.backward()
+            loss = 0.0
+            for part in loss_parts(reference_loss(model, gathered)):
+                part.backward()
+                loss += float(part.detach())
             squares = sum(float(p.grad.detach().double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
             result[0] = math.sqrt(squares)
-            result[1] = float(loss.detach())
+            result[1] = loss
         self.copy = None  # the copy is needed once
         result = all_reduce_sum(result)
         barrier()
@@ -411,6 +422,17 @@ class LossScaleProbe:
                         f"{ref:.6g} (ratio {engine_norm / ref if ref else float('nan'):.6g}; relative gap {gap:.3g} "
                         f"{'≤' if ok else '>'} {rtol:g})"
                         + ("" if ok else ": the loss is scaled wrongly for the accumulation or the ranks"), details)
+
+
+def loss_parts(loss) -> list | object:
+    """A reference loss as parts: a 0-dim tensor becomes ``[loss]``; an iterable of 0-dim tensors is
+    returned as it is (consumed lazily by :meth:`LossScaleProbe.check`)."""
+    return [loss] if isinstance(loss, torch.Tensor) else loss
+
+
+def sequence_chunks(n: int, size: int = PROBE_CHUNK) -> list[range]:
+    """``range(n)`` cut into consecutive ranges of at most ``size`` (the loss-scale probe's parts)."""
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 def merge_loss_scale(props: list[Property]) -> Property:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import SupervisedEvidence
+from chatrl.certificate import SupervisedEvidence, sequence_chunks
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
@@ -101,12 +101,16 @@ def eval_prompts(dataset, n: int) -> list:
 def one_batch_loss(dataset, collate):
     """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
     probe's reference, :class:`chatrl.certificate.LossScaleProbe`): every rank's ``sample_index``
-    collated together, the mean next-token NLL over all labelled tokens, all logits computed."""
+    collated together, the mean next-token NLL over all labelled tokens, all logits computed. Yields it
+    in parts of :data:`chatrl.certificate.PROBE_CHUNK` sequences, each the part's summed NLL over the
+    whole batch's labelled-token count (their sum is that mean)."""
 
-    def loss(model, parts: list) -> torch.Tensor:
+    def loss(model, parts: list):
         b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
-        nll, n = token_nll(causal_lm_logits(model, b["input_ids"], b["attention_mask"]), b["labels"])
-        return nll / n.clamp(min=1)
+        n = (b["labels"][:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+        for rows in sequence_chunks(len(b["input_ids"])):
+            ids, mask = b["input_ids"][rows.start:rows.stop], b["attention_mask"][rows.start:rows.stop]
+            yield token_nll(causal_lm_logits(model, ids, mask), b["labels"][rows.start:rows.stop])[0] / n
 
     return loss
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import SupervisedEvidence
+from chatrl.certificate import SupervisedEvidence, sequence_chunks
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
@@ -162,17 +162,20 @@ def one_batch_loss(dataset, collate, settings: DPOConfig):
     """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
     probe's reference): every rank's pairs collated together, the mean per-pair loss, with the
     reference log-probs the loop computed for them (``parts``: per rank, ``(sample_index, ref)`` per
-    micro-batch, ``ref`` the reference's ``(chosen, rejected)`` log-probs or None)."""
+    micro-batch, ``ref`` the reference's ``(chosen, rejected)`` log-probs or None), in parts of
+    :data:`chatrl.certificate.PROBE_CHUNK` pairs (each part's summed loss over the pair count)."""
 
-    def loss(model, parts: list) -> torch.Tensor:
+    def loss(model, parts: list):
         micro = [m for part in parts for m in part]
-        b = collate([dataset[i] for idx, _ in micro for i in idx.tolist()])
-        logps, n_tokens = batch_answer_logps(model, b, next(model.parameters()).device)
-        (pc, pr), (nc, nr) = split_pairs(logps), split_pairs(n_tokens)
+        rows = [dataset[i] for idx, _ in micro for i in idx.tolist()]
         refs = [ref for _, ref in micro]
-        rc, rr = ((None, None) if refs[0] is None else
-                  (torch.cat([r[0] for r in refs]).to(pc.device), torch.cat([r[1] for r in refs]).to(pc.device)))
-        return preference_loss(settings, pc, pr, rc, rr, nc, nr)[0].mean()
+        rc, rr = (None, None) if refs[0] is None else (torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs]))
+        for k in sequence_chunks(len(rows)):
+            b = collate(rows[k.start:k.stop])
+            logps, n_tokens = batch_answer_logps(model, b, next(model.parameters()).device)
+            (pc, pr), (nc, nr) = split_pairs(logps), split_pairs(n_tokens)
+            ref = (None, None) if rc is None else (rc[k.start:k.stop].to(pc.device), rr[k.start:k.stop].to(pc.device))
+            yield preference_loss(settings, pc, pr, *ref, nc, nr)[0].sum() / len(rows)
 
     return loss
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import SupervisedEvidence
+from chatrl.certificate import SupervisedEvidence, sequence_chunks
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
@@ -121,12 +121,15 @@ def describe_eval(m: dict) -> str:
 
 def one_batch_loss(dataset, collate):
     """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
-    probe's reference): every rank's ``sample_index`` collated together, the mean pairwise loss."""
+    probe's reference): every rank's ``sample_index`` collated together, the mean pairwise loss, in
+    parts of :data:`chatrl.certificate.PROBE_CHUNK` pairs (each part's summed loss over the pair count)."""
 
-    def loss(model, parts: list) -> torch.Tensor:
-        b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
-        chosen, rejected = split_pairs(model(b["input_ids"], b["attention_mask"]).end_scores)
-        return pairwise_losses(chosen, rejected, b.get("margin")).mean()
+    def loss(model, parts: list):
+        rows = [dataset[i] for part in parts for idx in part for i in idx.tolist()]
+        for pairs in sequence_chunks(len(rows)):
+            b = collate(rows[pairs.start:pairs.stop])
+            chosen, rejected = split_pairs(model(b["input_ids"], b["attention_mask"]).end_scores)
+            yield pairwise_losses(chosen, rejected, b.get("margin")).sum() / len(rows)
 
     return loss
 

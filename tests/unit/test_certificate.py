@@ -273,3 +273,49 @@ def test_inspector_page_of_a_record_and_a_diff(tmp_path):
     assert s["parts"] == {"score_fn": 1.0} and (s["version"], s["checksum"]) == (4, 0.125) and s["length"] == 3
     assert {c[0] for c in data["colourings"]} >= {"mask", "advantages", "logp_gap", "ratio", "clip", "kl"}
     assert page.count("Plotly.newPlot") >= 4  # histograms of the per-token quantities
+
+
+def test_loss_scale_reference_in_parts_has_the_one_piece_gradient(tiny_llama):
+    """Step 1's and step 2's probe references come in parts of a few sequences (a real model's global
+    batch never holds its activations at once): the parts' summed gradient is the one-piece loss's."""
+    from transformers import AutoModelForCausalLM
+
+    from chatrl.data.collate import PairCollator, SFTCollator
+    from chatrl.models import load_tokenizer
+    from chatrl.reward_model import load_reward_model, pairwise_losses
+    from chatrl.step1_sft.loss import token_nll
+    from chatrl.step1_sft.main import one_batch_loss as sft_reference
+    from chatrl.step2_reward.main import one_batch_loss as reward_reference
+    from chatrl.step2_reward.main import split_pairs
+
+    g = torch.Generator().manual_seed(0)
+    sft_rows = [{"input_ids": torch.randint(3, 250, (int(n),), generator=g), "prompt_len": int(n) // 3}
+                for n in torch.randint(6, 20, (10,), generator=g)]
+    pair_rows = [{"chosen_input_ids": torch.randint(3, 250, (int(n),), generator=g),
+                  "rejected_input_ids": torch.randint(3, 250, (int(n) + 2,), generator=g)}
+                 for n in torch.randint(6, 20, (9,), generator=g)]
+    parts = [[torch.arange(0, 3), torch.arange(3, 5)], [torch.arange(5, len(sft_rows) - 1)]]  # two ranks' micro-batches
+
+    def grads(model, loss):
+        model.zero_grad(set_to_none=True)
+        total = sum(part for part in loss)  # noqa: C419 (tensors)
+        total.backward()
+        return float(total), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    sft = SFTCollator(0)
+    chunked = sft_reference(sft_rows, sft)(lm, parts)
+    assert not isinstance(chunked, torch.Tensor)  # parts: 9 sequences in parts of 4
+    loss, grad = grads(lm, chunked)
+    b = sft([sft_rows[i] for p in parts for idx in p for i in idx.tolist()])
+    nll, n = token_nll(lm(b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+    one_loss, one_grad = grads(lm, [nll / n])
+    assert loss == pytest.approx(one_loss, rel=1e-6) and torch.allclose(grad, one_grad, rtol=1e-4, atol=1e-7)
+
+    rm = load_reward_model(str(tiny_llama), load_tokenizer(str(tiny_llama)), require_head=False)
+    pairs = PairCollator(0)
+    loss, grad = grads(rm, reward_reference(pair_rows, pairs)(rm, [[torch.arange(0, 9)]]))
+    b = pairs(pair_rows)
+    chosen, rejected = split_pairs(rm(b["input_ids"], b["attention_mask"]).end_scores)
+    one_loss, one_grad = grads(rm, [pairwise_losses(chosen, rejected, None).mean()])
+    assert loss == pytest.approx(one_loss, rel=1e-6) and torch.allclose(grad, one_grad, rtol=1e-4, atol=1e-7)
