@@ -4,6 +4,7 @@
     .venv/bin/python bench/peers/run.py --stages ppo --repeats 5     # step 3 only (e.g. after a speed-up)
     .venv/bin/python bench/peers/run.py --out bench/results/peers_$(date +%F).json
     .venv/bin/python bench/peers/run.py --packing                    # chatrl packed, and padded; TRL both ways
+    .venv/bin/python bench/peers/run.py --stages grpo --grpo_kl off on   # GRPO on SmolLM2-135M-Instruct
 
 The set-up, identical on both sides: a tiny random OPT (hidden 64, 2 layers, 4 heads, FFN 256; GPT-2
 BPE with a separate pad token), hh-rlhf helpful-base pairs 0–999 for training and 1000–1199 for the
@@ -20,9 +21,21 @@ TRL with ``padding_free=True`` (each batch flattened into one row with restartin
 data set given already tokenized and cut, as TRL refuses ``max_length`` in that mode); TRL 1.12's DPO
 switches its ``padding_free`` off ("temporarily unavailable"), so DPO is compared with TRL padded.
 
+GRPO (``--stages grpo``) runs on a real chat model instead (``--grpo_model``, default the converted
+SmolLM2-135M-Instruct of ``chatrl.model_zoo``): TRL's ``GRPOTrainer`` against ``chatrl.step3_ppo
+--rl_algorithm grpo``, both on the same 2-digit additions ("What is 23 + 58? Answer with the number
+only.", ``scripts/make_arith_task.py --ops +``, rendered by the model's chat template on both sides)
+scored by chatrl's ``exact_match`` rule (TRL calls the same function), ``--grpo_prompts`` prompts ×
+``--grpo_samples`` answers of at most ``--grpo_answer_len`` tokens per rank and step (one training
+micro-batch of all of them, one epoch), temperature 1, AdamW at a constant learning rate
+``--grpo_lr``, no weight decay, gradient clip 1, and the KL to the reference off (TRL's default, β
+0; chatrl ``--init_kl_coef 0``) and/or on (β ``--grpo_beta`` as a loss term with GRPO's k3
+estimator on both sides), per ``--grpo_kl``.
+
 Measured per run: ``samples_per_s`` over the training loop from the end of its first step to the
 end of its last (samples = steps × 4 × 2; PPO: rollouts), and ``wall_s`` from launch to exit
-(start-up included). Printed as JSON (and written to ``--out``): per stage both frameworks' figures,
+(start-up included), and ``peak_rss_mib``: the peak resident memory (``VmHWM``, polled every 0.5 s)
+of every rank process (by ``LOCAL_RANK``) and of the largest process of the launch. Printed as JSON (and written to ``--out``): per stage both frameworks' figures,
 their medians and the median of the per-repeat ratios chatrl / TRL (and over each other set-up of
 the repeat), and the reward models' eval accuracies.
 """
@@ -49,13 +62,16 @@ HH = SHARED / "data" / "hh-rlhf" / "helpful-base" / "test.jsonl.gz"
 ASSISTANT = "\n\nAssistant:"
 BATCH, RANKS = 4, 2
 STAGES = {"sft": "chatrl.step1_sft", "reward": "chatrl.step2_reward", "dpo": "chatrl.step2_dpo",
-          "ppo": "chatrl.step3_ppo"}
+          "ppo": "chatrl.step3_ppo", "grpo": "chatrl.step3_ppo"}
+#: The stages run and reported: GRPO once per KL setting of ``--grpo_kl``.
+RUN_STAGES = ("sft", "reward", "dpo", "ppo", "grpo_kl_off", "grpo_kl_on")
 #: Other set-ups a repeat may also run (``--also_chatrl_fp32``, ``--packing``), reported as chatrl's ratio over each.
 EXTRA_RUNS = ("chatrl_fp32", "chatrl_padded", "trl_padding_free")
 
 
-def prepare(work: Path) -> dict[str, Path]:
-    """The tiny OPT, the reward-model initialisation (PPO's reward and value model) and the pairs."""
+def prepare(work: Path, grpo_model: str | None = None) -> dict[str, Path]:
+    """The tiny OPT, the reward-model initialisation (PPO's reward and value model) and the pairs; with
+    ``grpo_model``, also its resolved folder and the GRPO prompt rows (``arith.jsonl``, 2-digit additions)."""
     from chatrl.models import load_tokenizer
     from chatrl.reward_model import load_reward_model, save_reward_model
     from chatrl.tiny import TinySpec, make_tiny_model
@@ -74,7 +90,15 @@ def prepare(work: Path) -> dict[str, Path]:
                 prompt = r["chosen"][:cut]
                 rejected = r["rejected"][cut:] if r["rejected"][:cut] == prompt else r["rejected"].rsplit(ASSISTANT, 1)[-1]
                 f.write(json.dumps({"prompt": prompt, "chosen": r["chosen"][cut:], "rejected": rejected}) + "\n")
-    return {"model": model, "rm": rm}
+    out = {"model": model, "rm": rm}
+    if grpo_model:
+        from chatrl.model_zoo import resolve
+        from scripts.make_arith_task import make_task
+
+        train, _ = make_task(1000, 0, seed=0, max_operand=99, ops=("+",))
+        (work / "arith.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+        out.update(grpo_model=Path(resolve(grpo_model)), arith=work / "arith.jsonl")
+    return out
 
 
 def _env() -> dict:
@@ -83,13 +107,52 @@ def _env() -> dict:
             "TRL_EXPERIMENTAL_SILENCE": "1", "WANDB_DISABLED": "true", "PYTHONPATH": str(REPO)}
 
 
-def _launch(cmd: list[str], log: Path, timeout: float) -> float:
+def _tree_peaks(root: int, peaks: dict) -> None:
+    """Update ``peaks`` with the ``VmHWM`` (MiB) of every live process under ``root``: key ``rankN`` for a
+    process whose environment has ``LOCAL_RANK=N`` (a rank; the largest of several), ``pid`` otherwise."""
+    parent = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                parent[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    for pid in parent:
+        up, seen = pid, 0
+        while up not in (root, 0, 1) and seen < 64:
+            up, seen = parent.get(up, 0), seen + 1
+        if up != root and pid != root:
+            continue
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        hwm = next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM:")), 0) / 1024
+        rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"LOCAL_RANK=")), None)
+        key = f"rank{rank}" if rank is not None else str(pid)
+        peaks[key] = max(peaks.get(key, 0.0), hwm)
+
+
+def _launch(cmd: list[str], log: Path, timeout: float) -> tuple[float, dict]:
+    """Run ``cmd`` to its end; seconds from launch to exit and the peak resident memory in MiB per rank
+    (``rankN``) and of the largest process of the launch (``max_any_process``)."""
     t0 = time.time()
+    peaks: dict = {}
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, env=_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            _tree_peaks(proc.pid, peaks)
+            if time.time() - t0 > timeout:
+                proc.kill()
+                raise TimeoutError(f"{cmd[:6]}… ran over {timeout} s; log: {log}")
+            time.sleep(0.5)
+    wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:6]}… exited {proc.returncode}; log: {log}\n" + log.read_text()[-3000:])
-    return time.time() - t0
+    ranks = {k: round(v, 1) for k, v in sorted(peaks.items()) if k.startswith("rank")}
+    return wall, {**ranks, "max_any_process": round(max(peaks.values(), default=0.0), 1)}
 
 
 def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool = False) -> dict:
@@ -97,14 +160,21 @@ def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool
 
     d = work / f"trl_{stage}_{tag}{'_padding_free' if padding_free else ''}"
     d.mkdir()
-    steps = {"sft": a.sft_steps, "reward": a.reward_steps, "dpo": a.dpo_steps, "ppo": a.ppo_steps}[stage]
+    if stage.startswith("grpo"):
+        beta = a.grpo_beta if stage == "grpo_kl_on" else 0.0
+        specific = ["grpo", "--model", str(paths["grpo_model"]), "--data", str(paths["arith"]),
+                    "--steps", str(a.grpo_steps), "--batch", str(a.grpo_prompts * a.grpo_samples),
+                    "--num_generations", str(a.grpo_samples), "--answer_len", str(a.grpo_answer_len),
+                    "--learning_rate", str(a.grpo_lr), "--beta", str(beta)]
+    else:
+        steps = {"sft": a.sft_steps, "reward": a.reward_steps, "dpo": a.dpo_steps, "ppo": a.ppo_steps}[stage]
+        specific = [stage, "--model", str(paths["model"]), "--reward_model", str(paths["rm"]), "--data", str(work),
+                    "--steps", str(steps), "--batch", str(BATCH)]
     cmd = [str(Path(a.trl_venv) / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-           "--master_port", str(free_port()), str(HERE / "trl_stage.py"), stage, "--model", str(paths["model"]),
-           "--reward_model", str(paths["rm"]), "--data", str(work), "--out", str(d / "out"),
-           "--result", str(d / "result.json"), "--steps", str(steps), "--batch", str(BATCH), "--dtype", a.dtype,
-           *(["--padding_free"] if padding_free else [])]
-    wall = _launch(cmd, d / "log", a.timeout)
-    return {**json.loads((d / "result.json").read_text()), "wall_s": wall}
+           "--master_port", str(free_port()), str(HERE / "trl_stage.py"), *specific, "--out", str(d / "out"),
+           "--result", str(d / "result.json"), "--dtype", a.dtype, *(["--padding_free"] if padding_free else [])]
+    wall, peaks = _launch(cmd, d / "log", a.timeout)
+    return {**json.loads((d / "result.json").read_text()), "wall_s": wall, "peak_rss_mib": peaks}
 
 
 def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | None = None,
@@ -131,6 +201,20 @@ def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | No
                  "--eval_data_path", f"{HH}[1000:1200]", "--max_seq_len", "256", "--per_device_train_batch_size",
                  str(BATCH), "--per_device_eval_batch_size", "8", "--learning_rate", "5e-6", "--beta", "0.1",
                  "--max_steps", str(a.dpo_steps), "--num_warmup_steps", "0"]
+    elif stage.startswith("grpo"):
+        per_rank = a.grpo_prompts * a.grpo_samples
+        kl = (["--init_kl_coef", str(a.grpo_beta), "--kl_in", "loss", "--kl_loss_estimator", "k3"]
+              if stage == "grpo_kl_on" else ["--init_kl_coef", "0"])
+        data = [str(paths["arith"])]
+        flags = ["--actor_model_name_or_path", str(paths["grpo_model"]), "--rl_algorithm", "grpo",
+                 "--num_samples_per_prompt", str(a.grpo_samples), "--reward_fn", "exact_match",
+                 "--data_path", *data, "--data_split", "0,0,10", "--max_prompt_seq_len", "128",
+                 "--max_answer_seq_len", str(a.grpo_answer_len),
+                 "--per_device_generation_batch_size", str(a.grpo_prompts),
+                 "--per_device_training_batch_size", str(per_rank), "--max_steps", str(a.grpo_steps),
+                 "--temperature", "1.0", "--actor_learning_rate", str(a.grpo_lr), "--lr_scheduler_type", "constant",
+                 "--actor_weight_decay", "0", "--gradient_clipping", "1.0", "--num_warmup_steps", "0",
+                 "--enable_hybrid_engine", *kl]
     else:
         flags = ["--actor_model_name_or_path", str(paths["model"]), "--critic_model_name_or_path", str(paths["rm"]),
                  "--data_path", *data, "--data_split", "0,0,10", "--max_prompt_seq_len", "128",
@@ -139,16 +223,21 @@ def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | No
                  "--temperature", "0.7", "--actor_learning_rate", "3e-6", "--critic_learning_rate", "3e-6",
                  "--num_warmup_steps", "0", "--enable_hybrid_engine"]
     launcher = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(launcher), "--num_gpus", str(RANKS), "--master_port", str(free_port()), "--module", STAGES[stage],
-           *flags, *common, *(["--zero_stage", "0"] if stage != "ppo" else
-                              ["--actor_zero_stage", "0", "--critic_zero_stage", "0"])]
+    zero = (["--actor_zero_stage", "0", "--critic_zero_stage", "0"] if stage == "ppo" else
+            ["--actor_zero_stage", "0"] if stage.startswith("grpo") else ["--zero_stage", "0"])
+    cmd = [str(launcher), "--num_gpus", str(RANKS), "--master_port", str(free_port()), "--module",
+           STAGES[stage.split("_")[0]], *flags, *common, *zero]
     d.mkdir()
-    wall = _launch(cmd, d / "log", a.timeout)
+    wall, peaks = _launch(cmd, d / "log", a.timeout)
     rows = [json.loads(x) for x in (d / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
-    key = "actor_loss" if stage == "ppo" else "train/loss"
+    key = "actor_loss" if stage in ("ppo", "grpo_kl_off", "grpo_kl_on") else "train/loss"
     train = [r for r in rows if key in r]
-    rate = (len(train) - 1) * BATCH * RANKS / (train[-1]["elapsed_s"] - train[0]["elapsed_s"])
-    out = {"samples_per_s": rate, "steps": len(train), "wall_s": wall}
+    per_step = a.grpo_prompts * a.grpo_samples * RANKS if stage.startswith("grpo") else BATCH * RANKS
+    rate = (len(train) - 1) * per_step / (train[-1]["elapsed_s"] - train[0]["elapsed_s"])
+    out = {"samples_per_s": rate, "steps": len(train), "wall_s": wall, "peak_rss_mib": peaks}
+    if stage.startswith("grpo"):  # the step's phases, summed over the loop's steps after the first
+        out["phase_s"] = {k: round(sum(r.get(f"time/{k}", 0.0) for r in train[1:]), 2)
+                          for k in ("generate", "experience", "train")}
     if stage == "reward":
         last = [r for r in rows if "eval/accuracy" in r][-1]
         out.update(eval_accuracy=last["eval/accuracy"], eval_pairs=last.get("eval/pairs"))
@@ -170,9 +259,28 @@ def versions(a) -> dict:
             "trl_venv": dict(zip(["trl", "torch", "transformers", "accelerate"], trl, strict=False))}
 
 
+def _largest_rss(runs: list[dict]) -> dict:
+    """Per key of the runs' ``peak_rss_mib`` (``rankN``, ``max_any_process``), the largest over the runs."""
+    keys = sorted({k for r in runs for k in r.get("peak_rss_mib", {})})
+    return {k: max(r.get("peak_rss_mib", {}).get(k, 0.0) for r in runs) for k in keys}
+
+
+def cpu_flags() -> dict:
+    """The CPU's model name and the vector flags that decide the dtypes' speed (``/proc/cpuinfo``)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = info.split("\n\n")[0]
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    return {"model": fields.get("model name\t", "").strip(), "flags": [f for f in wanted if f in flags]}
+
+
 def summarise(runs: list[dict]) -> dict:
     out = {}
-    for stage in STAGES:
+    for stage in RUN_STAGES:
         pairs = [(r["trl"], r["chatrl"]) for r in runs if r["stage"] == stage]
         if not pairs:
             continue
@@ -180,7 +288,11 @@ def summarise(runs: list[dict]) -> dict:
         out[stage] = {"trl_samples_per_s": trl, "chatrl_samples_per_s": ours,
                       "trl_median": statistics.median(trl), "chatrl_median": statistics.median(ours),
                       "median_ratio_chatrl_over_trl": statistics.median(o / t for t, o in zip(trl, ours, strict=True)),
-                      "trl_wall_s": [p[0]["wall_s"] for p in pairs], "chatrl_wall_s": [p[1]["wall_s"] for p in pairs]}
+                      "trl_wall_s": [p[0]["wall_s"] for p in pairs], "chatrl_wall_s": [p[1]["wall_s"] for p in pairs],
+                      "median_wall_ratio_trl_over_chatrl": statistics.median(
+                          p[0]["wall_s"] / p[1]["wall_s"] for p in pairs),
+                      "trl_peak_rss_mib": _largest_rss([p[0] for p in pairs]),
+                      "chatrl_peak_rss_mib": _largest_rss([p[1] for p in pairs])}
         for extra in EXTRA_RUNS:  # the same repeats' other set-ups: chatrl's ratio over each
             got = [(r[extra], r["chatrl"]) for r in runs if r["stage"] == stage and extra in r]
             if got:
@@ -208,6 +320,16 @@ def main() -> None:
     p.add_argument("--reward_steps", type=int, default=125, help="optimizer steps of reward training (125: one epoch)")
     p.add_argument("--dpo_steps", type=int, default=20, help="optimizer steps of DPO / step 2 (DPO)")
     p.add_argument("--ppo_steps", type=int, default=10, help="PPO updates (experience buffers of 4 × 2 rollouts)")
+    p.add_argument("--grpo_steps", type=int, default=4, help="GRPO steps (each: generation, scoring, one update)")
+    p.add_argument("--grpo_model", default="smollm2-135m-instruct",
+                   help="GRPO's policy: a model folder or a chatrl.model_zoo name (converted once if missing)")
+    p.add_argument("--grpo_prompts", type=int, default=2, help="GRPO prompts per rank and step")
+    p.add_argument("--grpo_samples", type=int, default=4, help="GRPO answers per prompt (the group)")
+    p.add_argument("--grpo_answer_len", type=int, default=32, help="GRPO's longest answer, in tokens")
+    p.add_argument("--grpo_lr", type=float, default=5e-6, help="GRPO's learning rate (constant, AdamW)")
+    p.add_argument("--grpo_beta", type=float, default=0.04, help="GRPO's KL coefficient where the KL is on")
+    p.add_argument("--grpo_kl", nargs="+", choices=["off", "on"], default=["off", "on"],
+                   help="GRPO with the KL to the reference off (TRL's default) and/or on, on both sides")
     p.add_argument("--trl_venv", default=os.environ.get("TRL_VENV", "/tmp/trl_cpu/venv"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--out", help="also write the JSON here")
@@ -226,10 +348,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        paths = prepare(work)
+        paths = prepare(work, a.grpo_model if "grpo" in a.stages else None)
+        stages = [st for st in a.stages if st != "grpo"] + [f"grpo_kl_{k}" for k in a.grpo_kl if "grpo" in a.stages]
         runs = []
         for rep in range(a.repeats):
-            for stage in a.stages:
+            for stage in stages:
                 tag = f"r{rep}"
                 trl = run_trl(stage, a, paths, work, tag)
                 ours = run_chatrl(stage, a, paths, work, tag)
@@ -254,13 +377,20 @@ def report(a, started: str, load_before, runs: list[dict], partial: bool = False
     """The JSON document: versions, machine load, set-up, per-stage summary and every run."""
     return {"bench": "peers", "date": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "partial": partial, "versions": versions(a),
-            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+            "machine": {"cpus": os.cpu_count(), "cpu": cpu_flags(), "loadavg_before": load_before,
+                        "loadavg_after": os.getloadavg()},
             "setup": {"model": "random OPT hidden 64, 2 layers, 4 heads, FFN 256, GPT-2 BPE + <pad>",
                       "data": "hh-rlhf helpful-base test pairs 0-999 train, 1000-1199 reward eval",
                       "ranks": RANKS, "batch_per_rank": BATCH, "seq_len": 256, "prompt_len": 128,
                       "answer_len": 64, "dtype": a.dtype, "chatrl_packing": a.packing, "chatrl_zero_stage": 0, "steps":
                       {"sft": a.sft_steps, "reward": a.reward_steps, "dpo": a.dpo_steps, "ppo": a.ppo_steps},
-                      "samples_per_s": "training loop, end of step 1 to end of last step"},
+                      "samples_per_s": "training loop, end of step 1 to end of last step",
+                      **({"grpo": {"model": str(a.grpo_model), "data": "2-digit additions (make_arith_task --ops +), "
+                                   "chat template, exact_match reward", "prompts_per_rank": a.grpo_prompts,
+                                   "samples_per_prompt": a.grpo_samples, "answer_len": a.grpo_answer_len,
+                                   "lr": a.grpo_lr, "beta_when_kl_on": a.grpo_beta, "kl": a.grpo_kl,
+                                   "steps": a.grpo_steps, "temperature": 1.0, "optimizer": "AdamW, constant lr, "
+                                   "no weight decay, clip 1"}} if "grpo" in a.stages else {})},
             "stages": summarise(runs), "runs": runs}
 
 

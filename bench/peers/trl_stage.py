@@ -1,4 +1,4 @@
-"""One TRL 1.12 trainer (SFT, reward, DPO or PPO) on the peer benchmark's set-up; runs in the TRL venv only.
+"""One TRL 1.12 trainer (SFT, reward, DPO, PPO or GRPO) on the peer benchmark's set-up; runs in the TRL venv only.
 
 Started by ``bench/peers/run.py`` as ``torchrun --nproc_per_node 2 trl_stage.py STAGE ...`` with the
 TRL venv's python (TRL is never imported by chatrl or its tests). Writes one JSON file (rank 0):
@@ -8,15 +8,19 @@ accuracy on the eval pairs (share with ``r_chosen > r_rejected``; ties count as 
 
 Data (written by ``run.py``): ``pairs_train.jsonl`` / ``pairs_eval.jsonl`` with ``prompt`` (the
 transcript up to and including the last "\\n\\nAssistant:"), ``chosen`` and ``rejected`` (the
-answers after it).
+answers after it). GRPO reads chatrl prompt rows (``scripts/make_arith_task.py``: ``prompt``,
+``reference``) and scores answers with chatrl's own ``exact_match`` rule, loaded from its file
+(``chatrl/rewards/builtin.py``, plain Python) so that both sides reward alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -169,12 +173,51 @@ def ppo(a, tok, world):
     return {"samples_per_s": loop_rate(clock, a.batch * world), "steps": len(clock.ends)}
 
 
+def _chatrl_exact_match():
+    """chatrl's ``exact_match`` reward, loaded from its source file without importing chatrl."""
+    path = Path(__file__).resolve().parents[2] / "chatrl" / "rewards" / "builtin.py"
+    spec = importlib.util.spec_from_file_location("chatrl_builtin_rewards", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.exact_match
+
+
+def grpo(a, tok, world):
+    """``GRPOTrainer`` on the prompt rows at ``a.data`` (one user turn each, through the chat template),
+    ``a.batch`` answers per rank and step in groups of ``a.num_generations``, one update per
+    generation, KL coefficient ``a.beta`` (0: no reference model, TRL's default)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = read(a.data)
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "reference": r["reference"]}
+                            for r in rows])
+    exact_match = _chatrl_exact_match()
+
+    def reward(prompts, completions, reference, **kwargs):
+        answers = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return exact_match(prompts, answers, [{"reference": x} for x in reference])
+
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    # gradient checkpointing is GRPOConfig's default; off here, as chatrl does not checkpoint (and it is
+    # faster); without it the Trainer's DDP would look for unused parameters every step (it warns), so not
+    cfg = GRPOConfig(**common_args(a), learning_rate=a.learning_rate, lr_scheduler_type="constant",
+                     num_generations=a.num_generations, max_completion_length=a.answer_len, temperature=1.0,
+                     top_p=1.0, top_k=0, beta=a.beta, num_iterations=1, gradient_checkpointing=False,
+                     ddp_find_unused_parameters=False, weight_decay=0.0, max_grad_norm=1.0)
+    clock = StepClock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
+                          callbacks=[clock])
+    trainer.train()
+    return {"samples_per_s": loop_rate(clock, a.batch * world), "steps": len(clock.ends),
+            "rewards": [h.get("reward") for h in trainer.state.log_history if "reward" in h]}
+
+
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["sft", "reward", "dpo", "ppo"])
+    p.add_argument("stage", choices=["sft", "reward", "dpo", "ppo", "grpo"])
     p.add_argument("--model", required=True)
     p.add_argument("--reward_model", help="ppo: reward model and value-model initialisation")
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help="the pairs' folder; grpo: the prompt rows' file")
     p.add_argument("--out", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--steps", type=int, required=True, help="optimizer steps (sft, reward) or PPO updates")
@@ -184,13 +227,16 @@ def main():
     p.add_argument("--answer_len", type=int, default=64)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: the trainers' bf16=True (HF mixed precision: fp32 weights, bf16 autocast)")
+    p.add_argument("--num_generations", type=int, default=4, help="grpo: answers per prompt")
+    p.add_argument("--learning_rate", type=float, default=5e-6, help="grpo: constant learning rate")
+    p.add_argument("--beta", type=float, default=0.0, help="grpo: KL coefficient (0: no reference model)")
     p.add_argument("--padding_free", action="store_true",
                    help="sft: SFTConfig(padding_free=True), each batch flattened into one row")
     a = p.parse_args()
     t0 = time.time()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = AutoTokenizer.from_pretrained(a.model)
-    result = {"sft": sft, "reward": reward, "dpo": dpo, "ppo": ppo}[a.stage](a, tok, world)
+    result = {"sft": sft, "reward": reward, "dpo": dpo, "ppo": ppo, "grpo": grpo}[a.stage](a, tok, world)
     result.update(stage=a.stage, world_size=world, in_process_s=time.time() - t0)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(a.result, "w") as f:

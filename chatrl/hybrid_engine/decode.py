@@ -10,12 +10,20 @@ argmax, sampling draws with ``torch.multinomial``) and adds what the layout need
 * one small all-gather per step shares the picked tokens and "finished" flags within the group;
   nothing crosses groups, so groups stop independently and a rank never waits for another group;
 * keys and values are written into buffers preallocated for ``prompt + max_new_tokens`` positions
-  (transformers' ``DynamicCache`` concatenates, copying the whole cache every step).
+  (transformers' ``DynamicCache`` concatenates, copying the whole cache every step); where the model
+  attends in float32 on bf16 or fp16 weights (:data:`chatrl.precision.FP32_SDPA`), the buffers are
+  float32, so that attention reads the cache as it is instead of converting all of it in every layer
+  at every step (the same values: the conversion is exact);
+* on CPU, bf16 linear layers decode with their weights reordered once per :func:`decode` call into
+  oneDNN's blocked layout (:class:`PrepackedLinears`) instead of at every product, where that gives
+  the same bits as ``F.linear`` (checked once per weight shape in the process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +31,9 @@ import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatrl.logprobs import logprobs_from_logits, sampling_filter
-from chatrl.precision import computes_in_fp32
+from chatrl.precision import FP32_SDPA, computes_in_fp32
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,20 +58,23 @@ class PreallocatedLayer(DynamicLayer):
     """A KV-cache layer writing into buffers of ``capacity`` positions and returning views of them.
 
     Keys and values have shape ``(batch, local_heads, positions, head_dim)``; head counts come from
-    the first update, so a tensor-parallel shard caches only its own heads.
+    the first update, so a tensor-parallel shard caches only its own heads. ``store_dtype``: the
+    buffers' dtype (default: the keys'); float32 for a model whose attention converts keys and values
+    to float32 anyway (:func:`make_cache`), which then reads them without a copy.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, store_dtype: torch.dtype | None = None):
         super().__init__()
         self.capacity = capacity
+        self.store_dtype = store_dtype
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the key and value buffers from the first update's shapes, dtype and device."""
-        self.dtype, self.device = key_states.dtype, key_states.device
+        """Allocate the key and value buffers from the first update's shapes, dtype (or ``store_dtype``) and device."""
+        self.dtype, self.device = self.store_dtype or key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self._k = key_states.new_empty(b, h, self.capacity, d)
-        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self._k = key_states.new_empty(b, h, self.capacity, d, dtype=self.dtype)
+        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1], dtype=self.dtype)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -83,11 +96,17 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def make_cache(config, capacity: int) -> Cache:
-    """A KV cache for ``capacity`` positions; HF's ``DynamicCache`` when a sliding window would bite."""
+    """A KV cache for ``capacity`` positions; HF's ``DynamicCache`` when a sliding window would bite.
+
+    A model that attends with :data:`chatrl.precision.FP32_SDPA` (bf16 or fp16 weights on CPU) gets
+    float32 buffers: its attention computes on float32 copies of the keys and values, so storing them
+    converted once (exactly) saves converting the whole cache in every layer at every step.
+    """
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and capacity > window:
         return DynamicCache(config=config)
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
+    store = torch.float32 if getattr(config, "_attn_implementation", None) == FP32_SDPA else None
+    return Cache(layers=[PreallocatedLayer(capacity, store) for _ in range(config.num_hidden_layers)])
 
 
 def cache_keyword(body: torch.nn.Module) -> str:
@@ -187,6 +206,74 @@ def gather_prompts(input_ids, attention_mask, group: TPGroup, pad_token_id: int,
     return GroupBatch(torch.cat(all_ids)[rows], torch.cat(all_mask)[rows], start, b, max_p - p, counts)
 
 
+#: ``(out_features, in_features, rows) → bool``: whether oneDNN's product with a reordered bf16 weight
+#: gave exactly ``F.linear``'s bits for that shape on this machine (checked at its first use).
+_PACKED_EQUAL: dict[tuple[int, int, int], bool] = {}
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` may be reordered for oneDNN: a whole (not ZeRO-3-partitioned) bf16 matrix on
+    CPU, with torch's oneDNN linear ops present."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and not hasattr(weight, "ds_id") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedWeight:
+    """A bf16 matrix ``(out, in)`` reordered once into oneDNN's layout for products with ``rows`` rows.
+
+    ``linear(x)`` equals ``F.linear(x, weight, bias)`` bit for bit: an ``x`` of another row count, or of
+    a weight shape whose first product differed from ``F.linear``'s on this machine, takes
+    ``F.linear`` itself. Why: torch's bf16 ``F.linear`` on CPU hands oneDNN the plain weight, which it
+    re-blocks at every product; for the few rows of a decoding step that costs about as much as the
+    product (SmolLM2's 576 × 1536 layer, 8 rows, one core: 0.41 → 0.29 ms; its 49,160-row LM head
+    18 → 10 ms; ``bench/decode_floor.py``).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+        self.weight, self.bias, self.rows = weight, bias, rows
+        self.key = (weight.shape[0], weight.shape[1], rows)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, through the reordered weight where that is the same."""
+        if x.numel() != self.rows * x.shape[-1] or x.dtype != torch.bfloat16:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        equal = _PACKED_EQUAL.get(self.key)
+        if equal is False:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if equal is None:
+            plain = torch.nn.functional.linear(x, self.weight, self.bias)
+            _PACKED_EQUAL[self.key] = equal = torch.equal(out, plain)
+            if not equal:
+                log.info("decode: oneDNN's reordered bf16 product differs from F.linear for %s; F.linear kept",
+                         self.key)
+                return plain
+        return out
+
+
+class PrepackedLinears(contextlib.AbstractContextManager):
+    """Inside the block, every plain ``torch.nn.Linear`` of ``module`` with a whole bf16 weight on CPU
+    computes through a :class:`PackedWeight` for ``rows`` rows (reordered on entry; the weights are
+    read as they are then, so enter after any weight update). Other modules (LoRA layers, ZeRO-3
+    partitions, fp32 or GPU weights) are left alone. The reordered copies are dropped on exit."""
+
+    def __init__(self, module: torch.nn.Module, rows: int):
+        self.modules = [m for m in module.modules() if type(m) is torch.nn.Linear and can_prepack(m.weight)]
+        self.rows = rows
+
+    def __enter__(self):
+        for m in self.modules:
+            m.forward = PackedWeight(m.weight, m.bias, self.rows).linear
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        return False
+
+
 def head_weight(head: torch.nn.Module) -> torch.Tensor:
     """The matrix the LM head multiplies by while decoding: its weight, or a float32 copy of it when
     the head computes in float32 (``--fp32_lm_head``, :func:`chatrl.precision.compute_in_fp32`),
@@ -194,7 +281,8 @@ def head_weight(head: torch.nn.Module) -> torch.Tensor:
     return head.weight.float() if computes_in_fp32(head) else head.weight
 
 
-def project_head(head: torch.nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+def project_head(head: torch.nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                 packed: PackedWeight | None = None) -> torch.Tensor:
     """``head(hidden)`` for the last positions, ``(rows, vocab shard)``, in ``weight``'s dtype.
 
     ``weight``: the head's matrix (:func:`head_weight`; default ``head.weight``); ``hidden`` is cast
@@ -204,9 +292,12 @@ def project_head(head: torch.nn.Module, hidden: torch.Tensor, weight: torch.Tens
     matrix is the other way round, so it keeps ``h @ Wᵀ``, HF's form (4 rows, 512 × 50272, one EPYC
     core: fp32 11.4 ms as ``W @ hᵀ`` against 20.6 ms; bf16 7.0–8.4 ms as ``h @ Wᵀ`` against 10.6–12.0 ms;
     ``bench/results/decode_floor_rows4_2026-12-02.json``). The forms differ only in summation order.
+    ``packed``: the same bf16 matrix reordered for oneDNN (:class:`PackedWeight`, the same bits).
     """
     weight = head.weight if weight is None else weight
     hidden = hidden.to(weight.dtype)
+    if packed is not None and packed.weight is weight:
+        return packed.linear(hidden)
     bias = getattr(head, "bias", None)
     if hidden.device.type == "cpu" and bias is None and hidden.shape[0] <= 8 and weight.dtype == torch.float32:
         return torch.mm(weight, hidden.t()).t()
@@ -257,24 +348,30 @@ def decode(model, batch: GroupBatch, s: GenerationSettings, group: TPGroup, *,
     body_in = dict(input_ids=ids, position_ids=position)
     weight = head_weight(model.lm_head)
     cached = {cache_keyword(model.model): cache}
-    for step in range(s.max_new_tokens):
-        hidden = model.model(attention_mask=full_mask[:, :width + step], use_cache=True, **cached,
-                             **body_in).last_hidden_state[:, -1]
-        logits = _own_logits(project_head(model.lm_head, hidden, weight), batch, group)
-        if keep_logits:
-            kept.append(logits)
-        scores = process_logits(logits, s, step)
-        tokens = pick_tokens(scores, s, generator)
-        tokens = torch.where(finished[own], torch.full_like(tokens, s.pad_token_id), tokens)
-        if logprobs is not None:
-            logprobs[:, step] = logprobs_from_logits(scores[:, None], tokens[:, None]).squeeze(1)
-        done = finished[own] | (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(finished[own]))
-        out[:, step] = tokens
-        all_tokens, finished = _share(tokens, done, batch, group)
-        if bool(finished.all()) or step == s.max_new_tokens - 1:
-            break
-        position = position[:, -1:] + 1
-        body_in = dict(input_ids=all_tokens[:, None], position_ids=position)
+    packed_head = None
+    with contextlib.ExitStack() as packs:
+        for step in range(s.max_new_tokens):
+            if step == 1:  # the decoding steps' products: n_rows rows each (the prefill's keep F.linear)
+                packs.enter_context(PrepackedLinears(model.model, n_rows))
+                if can_prepack(weight) and getattr(model.lm_head, "bias", None) is None:
+                    packed_head = PackedWeight(weight, None, n_rows)
+            hidden = model.model(attention_mask=full_mask[:, :width + step], use_cache=True, **cached,
+                                 **body_in).last_hidden_state[:, -1]
+            logits = _own_logits(project_head(model.lm_head, hidden, weight, packed_head), batch, group)
+            if keep_logits:
+                kept.append(logits)
+            scores = process_logits(logits, s, step)
+            tokens = pick_tokens(scores, s, generator)
+            tokens = torch.where(finished[own], torch.full_like(tokens, s.pad_token_id), tokens)
+            if logprobs is not None:
+                logprobs[:, step] = logprobs_from_logits(scores[:, None], tokens[:, None]).squeeze(1)
+            done = finished[own] | (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(finished[own]))
+            out[:, step] = tokens
+            all_tokens, finished = _share(tokens, done, batch, group)
+            if bool(finished.all()) or step == s.max_new_tokens - 1:
+                break
+            position = position[:, -1:] + 1
+            body_in = dict(input_ids=all_tokens[:, None], position_ids=position)
     logits = torch.stack(kept, dim=1) if keep_logits else None
     return (out, logits, logprobs) if keep_logprobs else (out, logits)
 
