@@ -42,6 +42,17 @@ def test_the_gold_reward_model_is_step2_on_the_other_rows(tmp_path):
     assert a.model_name_or_path == str(STORIES) and a.output_dir == str(run.out_dir)
     assert (a.data_split, a.seed) == ("0,1,3", 7)  # step 2's own split (--step2-args wins), disjoint; its seed
     assert a.data_path == train.demo_plan(tmp_path)[2][2]["data_path"] and not run.finished
+    assert a.dtype == "fp32"  # the demo pins fp32 for every step: the gold judge too
+
+
+def test_the_gold_reward_model_takes_step2s_dtype(tmp_path):
+    # the smollm2 preset leaves --dtype auto: step 2 and the gold judge both get it (the gold judge ran fp32)
+    pipe = train.plan(["--preset", "smollm2", "--output-dir", str(tmp_path / "out")])
+    step2 = train.step2_parser().parse_args(next(r for r in pipe.runs if r.step == 2).argv)
+    gold = train.step2_parser().parse_args(train.gold_reward_run(pipe).argv)
+    assert step2.dtype == gold.dtype == "auto"
+    pipe = train.plan(["--preset", "smollm2", "--output-dir", str(tmp_path / "out"), "--dtype", "fp32"])
+    assert train.step2_parser().parse_args(train.gold_reward_run(pipe).argv).dtype == "fp32"
 
 
 def _finished(dirs, step3_args, step2_args=None):
