@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -292,3 +293,20 @@ def test_reward_errors_a_user_causes_are_usage_errors_named_in_one_line(tmp_path
     batch = RewardBatch(prompts=["p"], answers=["2"], metadata=[{}], step=1)
     with pytest.raises(UsageError, match="exact_match: row 0 has no 'reference'"):
         FunctionReward("exact_match")(batch)
+
+
+def test_exact_match_scripts_paired_gain_and_interval():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "eval_exact_match.py"
+    spec = importlib.util.spec_from_file_location("eval_exact_match", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    after, before = [1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]
+    gain, low, high = script.paired_gain(after, before)
+    # differences 1, 0, 0, 1: a resample's mean is k/4 with k ~ Binomial(4, 1/2); P(k = 0) = P(k = 4) = 1/16 > 2.5 %,
+    # so the 95 % interval's ends are 0 and 1
+    assert gain == 0.5 and (low, high) == (0.0, 1.0)
+    assert script.paired_gain(before, before) == (0.0, 0.0, 0.0)  # no difference in any row: a point interval
+    with pytest.raises(ValueError, match="the same rows"):
+        script.paired_gain(after, before[:3])
