@@ -122,9 +122,8 @@ class Step:
         self.run.observer.accounting.record(self.epoch, batch)
 
     def nonfinite(self, value):
-        """``--debug_nonfinite_steps`` (a testing hook): ``value`` times NaN when this step is listed,
-        else ``value`` itself."""
-        return value * float("nan") if self.number in self.run.nonfinite_steps else value
+        """``--debug_nonfinite_steps`` (a testing hook): :meth:`Run.nonfinite`."""
+        return self.run.nonfinite(value)
 
     @property
     def probing(self) -> bool:
@@ -192,6 +191,11 @@ class Run:
                                            self.saved.modules, extra_state={"data_accounting": self.observer.accounting},
                                            spare=lambda step: self.observer.needs_checkpoint(step, total))
         self._started = False
+
+    def nonfinite(self, value):
+        """``--debug_nonfinite_steps`` (a testing hook, the one for every program): ``value`` (a loss;
+        step 3: the rewards) times NaN while the step being taken is listed, else ``value`` itself."""
+        return value * float("nan") if self.step + 1 in self.nonfinite_steps else value
 
     @property
     def skipped(self) -> int:
