@@ -4,8 +4,8 @@ A program builds its data, models and engines, then a :class:`Run`, and iterates
 maths stays written out in the program's loop, top to bottom::
 
     run = Run(s, info, Schedule(total_steps, steps_per_epoch, gas, "step 1 SFT", plan.notes, plan.cap_note),
-              loader, Saved({"model": engine}, batch.layout()), evidence, opening="step 1: ...",
-              evaluation=Evaluation(evaluate, describe))
+              loader, Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
+              opening="step 1: ...", evaluation=Evaluation(evaluate, describe))
     engine.train()
     for step in run:                       # start or resume, the bar, the data position, stopping
         micro = micro_batches(step.samples())
@@ -13,8 +13,8 @@ maths stays written out in the program's loop, top to bottom::
             step.account(m)                # the data accounting of the certificate
             loss = step.nonfinite(loss_of(m))  # --debug_nonfinite_steps (a testing hook)
             ...
-        step.done(lambda: {"train/loss": ...})  # the step's figures, logged when due
-    run.finish(save=lambda: save_hf_model(...), step_id=1, args=vars(args))
+        step.done(figures, step_nll)       # figures(step_nll) after the non-finite guard, logged when due
+    run.finish(1, vars(args))                  # the certificate, the HF folder, the run marker
 
 The run owns, in this order, after each step's body: the progress (bar, failure reports), the
 non-finite guard (``--max_nonfinite_steps``: :class:`chatrl.checkpoint.LoopCheckpoints`), the
@@ -43,7 +43,7 @@ from chatrl.data.collate import MicroBatches
 from chatrl.resilience import set_progress
 from chatrl.sizes import BatchSizes, StepPlan, plan_steps
 from chatrl.tracking import Tracker
-from chatrl.weights import save_snapshot_if_due
+from chatrl.weights import save_hf_model, save_snapshot_if_due
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,13 @@ class Saved:
     """What a checkpoint of the run holds: ``engines`` (name → DeepSpeed engine, with its optimizer),
     the batch ``layout`` checked on resume (:func:`chatrl.checkpoint.check_resume_layout`),
     ``modules`` (name → ``torch.nn.Module`` without an optimizer: step 3's EMA actor) and the model
-    of the HF snapshots (``snapshot``: ``(module, tokenizer)``, with ``--save_hf_interval``)."""
+    saved as an HF folder (``hf_model``: ``(module, tokenizer)``): every ``--save_hf_interval`` steps
+    as a snapshot, and at the end into ``--output_dir`` unless the program saves its own way."""
 
     engines: dict
     layout: dict
     modules: dict | None = None
-    snapshot: tuple | None = None
+    hf_model: tuple | None = None
 
 
 @dataclass
@@ -272,16 +273,17 @@ class Run:
         if self.checkpoints.due(n, total) or self.observer.needs_checkpoint(n, total):
             self.checkpoints.save(n, self.checkpoint_state())
         snapshots = getattr(self.settings, "snapshots", None)
-        if snapshots is not None and self.saved.snapshot is not None:  # an HF folder, for python -m chatrl.eval
-            module, tokenizer = self.saved.snapshot
+        if snapshots is not None and self.saved.hf_model is not None:  # an HF folder, for python -m chatrl.eval
+            module, tokenizer = self.saved.hf_model
             save_snapshot_if_due(snapshots.save_hf_interval, n, total, module, tokenizer, self.log.output_dir)
 
-    def finish(self, save: Callable[[], None], step_id, args: dict, before_save: Callable[[], None] | None = None
-               ) -> bool:
+    def finish(self, step_id, args: dict, save: Callable[[], None] | None = None,
+               before_save: Callable[[], None] | None = None) -> bool:
         """After the loop: unless the run stopped early (``--stop_after_steps``), the certificate
-        (the observer's ``finish``, a collective), ``before_save()`` (a program's last checks),
-        ``save()`` (the HF folders) and the run marker (``step_id``, the steps, the metrics, ``args``),
-        the last file written. Returns whether the run finished."""
+        (the observer's ``finish``, a collective), ``before_save()`` (a program's last checks), the
+        HF folders (``save()``, or ``Saved.hf_model`` into ``--output_dir``) and the run marker
+        (``step_id``, the steps, the metrics, ``args``), the last file written. Returns whether the
+        run finished."""
         if self.stopped:
             return False
         self.observer.finish(self.step)
@@ -290,7 +292,10 @@ class Run:
         if self.schedule.cap_note:
             self.tracker.write(self.schedule.cap_note)
         self.tracker.close()
-        save()
+        if save is not None:
+            save()
+        else:
+            save_hf_model(*self.saved.hf_model, self.log.output_dir)
         if self.info.is_main:
             write_run_marker(self.log.output_dir, {
                 "step": step_id, "steps": self.step, "metrics": self.metrics,

@@ -30,12 +30,9 @@ from chatrl.data.collate import PackedSFTCollator
 from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
 from chatrl.generation import eos_rate
-from chatrl.logprobs import IGNORE_INDEX
-from chatrl.models import causal_lm_logits, check_context_window, check_packing, load_tokenizer
 from chatrl.run import Evaluation, Run, Saved, SupervisedData
-from chatrl.step1_sft.loss import sft_nll, token_nll
+from chatrl.step1_sft.loss import full_nll, labelled_tokens, only_rows, sft_nll
 from chatrl.trainable import load_trainable
-from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step1")
 
@@ -79,7 +76,7 @@ def evaluate(engine, dataset, collate, batch: config.BatchConfig, info) -> dict:
         if batch.eval_iters and i >= batch.eval_iters:
             break
         b = {k: v.to(info.device) for k, v in b.items()}
-        labels = b["labels"].masked_fill(~real.to(info.device)[:, None], IGNORE_INDEX)
+        labels = only_rows(b["labels"], real.to(info.device))
         nll, n = sft_nll(engine, b["input_ids"], b["attention_mask"], labels)
         total += torch.tensor([nll.item(), n.item()], dtype=torch.float64)
     engine.train()
@@ -105,7 +102,7 @@ def one_batch_loss(dataset, collate):
 
     def loss(model, parts: list) -> torch.Tensor:
         b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
-        nll, n = token_nll(causal_lm_logits(model, b["input_ids"], b["attention_mask"]), b["labels"])
+        nll, n = full_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
         return nll / n.clamp(min=1)
 
     return loss
@@ -121,11 +118,7 @@ def run(argv: list[str] | None = None) -> dict:
     engine for in-process checks)."""
     args = cli.parse(build_parser(), argv)
     s: Step1Settings = config.read(Step1Settings, args)
-    check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
-    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 1 (SFT)", s.log, s.optim.seed, s.ckpt)
-
-    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
+    info, tokenizer = program.start_training("step 1 (SFT)", s)
     all_turns = s.sft.train_all_assistant_turns
     check_startup(tokenizer, startup_conversations(s.data.data_path, turn_by_turn=all_turns == "true"), "step 1",
                   s.template_check.skip_template_check, log)
@@ -141,7 +134,8 @@ def run(argv: list[str] | None = None) -> dict:
     def evaluation(step: int) -> dict:
         return evaluate(engine, data.eval, collate, s.batch, info)
 
-    run = Run(s, info, train.schedule("step 1 SFT"), train.loader, Saved({"model": engine}, batch.layout()), evidence,
+    run = Run(s, info, train.schedule("step 1 SFT"), train.loader,
+              Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
               opening=f"step 1: {len(data.train)} samples, {train.plan.total_steps} optimizer steps of global batch "
                       f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
                       f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}",
@@ -157,7 +151,7 @@ def run(argv: list[str] | None = None) -> dict:
         micro = train.micro_batches(step.samples())
         for m in micro:
             step.account(m)
-        n_local = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
+        n_local = sum(labelled_tokens(m["labels"]) for m in micro)
         n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
         step_nll = 0.0
         for i, m in enumerate(micro):
@@ -180,7 +174,7 @@ def run(argv: list[str] | None = None) -> dict:
             run.tracker.log({"eval/eos_rate": rate}, run.step)
             run.tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: {rate:.1%}")
 
-    run.finish(lambda: save_hf_model(engine.module, tokenizer, s.log.output_dir), 1, vars(args), before_save=eos_check)
+    run.finish(1, vars(args), before_save=eos_check)
     return {"metrics": run.metrics, "engine": engine, "tokenizer": tokenizer, "settings": s, "certificate": evidence.cert}
 
 

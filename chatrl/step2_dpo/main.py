@@ -44,7 +44,6 @@ from chatrl import cli, config, dist, program
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
 from chatrl.generation import eos_rate
-from chatrl.models import check_packing, load_tokenizer
 from chatrl.run import Evaluation, Run, Saved, SupervisedData
 from chatrl.step2_dpo.batch import (
     DPOCollator,
@@ -56,7 +55,6 @@ from chatrl.step2_dpo.batch import (
 from chatrl.step2_dpo.loss import DPOConfig, preference_loss, reward_stats
 from chatrl.step2_dpo.reference import build_reference, reference_kind
 from chatrl.trainable import load_trainable
-from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step2_dpo")
 
@@ -201,10 +199,7 @@ def run(argv: list[str] | None = None) -> dict:
         s: DPOSettings = config.read(DPOSettings, args)
     except ValueError as err:
         parser.error(str(err))
-    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 2 (DPO)", s.log, s.optim.seed, s.ckpt)
-
-    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
+    info, tokenizer = program.start_training("step 2 (DPO)", s, context_window=False)
     # Phase-2 pairs; over-long prompts are cut from the left, identical pairs skipped and counted.
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
     train_pairs, eval_pairs = IndexedPairs(data.train), IndexedPairs(data.eval)
@@ -233,7 +228,7 @@ def run(argv: list[str] | None = None) -> dict:
                 "train/skipped_steps": run.skipped, "train/pairs_per_s": run.per_second(batch.global_batch)}
 
     run = Run(s, info, train.schedule("step 2 DPO"), train.loader,
-              Saved({"model": engine}, batch.layout(), snapshot=(engine.module, tokenizer)), evidence,
+              Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
               opening=f"step 2 (DPO, {s.dpo.loss_type}, β {s.dpo.beta}, ε {s.dpo.label_smoothing}): "
                       f"{len(train_pairs)} pairs, {train.plan.total_steps} optimizer steps of global batch "
                       f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
@@ -274,8 +269,7 @@ def run(argv: list[str] | None = None) -> dict:
             run.tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
                               + (f" (before DPO: {before:.1%})" if before is not None else ""))
 
-    run.finish(lambda: save_hf_model(engine.module, tokenizer, s.log.output_dir), "2-dpo", vars(args),
-               before_save=eos_check)
+    run.finish("2-dpo", vars(args), before_save=eos_check)
     return {"metrics": run.metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer, "settings": s}
 
 

@@ -42,7 +42,6 @@ from chatrl import cli, config, dist, program
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
 from chatrl.data.collate import PackedPairCollator
-from chatrl.models import check_context_window, check_packing, load_tokenizer
 from chatrl.reward_model import pair_stats, pairwise_losses, save_reward_model
 from chatrl.run import Evaluation, Run, Saved, SupervisedData
 from chatrl.trainable import load_trainable
@@ -136,13 +135,10 @@ def run(argv: list[str] | None = None) -> dict:
     process group is shut down)."""
     args = cli.parse(build_parser(), argv)
     s: Step2Settings = config.read(Step2Settings, args)
-    check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
-    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 2 (reward model)", s.log, s.optim.seed, s.ckpt)
+    info, tokenizer = program.start_training("step 2 (reward model)", s)
     if s.step2.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
 
-    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Over-long prompts are cut from the left to fit max_seq_len; identical pairs are skipped and counted.
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")  # eval batches
@@ -190,7 +186,7 @@ def run(argv: list[str] | None = None) -> dict:
             step.probe([m["sample_index"] for m in micro], one_batch_loss(data.train, collate))
         step.done(figures, stats)
 
-    run.finish(lambda: save_reward_model(engine.module, tokenizer, s.log.output_dir), 2, vars(args))
+    run.finish(2, vars(args), save=lambda: save_reward_model(engine.module, tokenizer, s.log.output_dir))
     return {"metrics": run.metrics, "engine": engine}
 
 

@@ -269,7 +269,7 @@ def build(args, score_fn=None) -> Step3Run:
     schedule = Schedule(plan.total_buffers, plan.buffers_per_epoch, rollout.generation_batches,
                         f"step 3 {algorithm.name}", tuple(plan.notes), plan.cap_note, unit="step")
     saved = Saved(trained, plan.layout, {"actor_ema": engines.ema.module} if engines.ema is not None else None,
-                  snapshot=(engines.actor.module, tokenizer))
+                  hf_model=(engines.actor.module, tokenizer))
     step3.run = Run(s, info, schedule, loader, saved, evidence, opening=opening, state=lambda: {
         "kl_ctl": kl_ctl.state_dict(), "samples": step3.samples,
         "ptx_batches": ptx_iter.consumed if ptx_iter is not None else 0})
@@ -384,7 +384,7 @@ def _train(step3: Step3Run) -> dict:
         if engines.ema is not None:
             save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema", dtype=torch_dtype(s.actor.dtype))
 
-    run.finish(save, 3, vars(step3.args))
+    run.finish(3, vars(step3.args), save=save)
     return run.metrics
 
 

@@ -182,7 +182,7 @@ def _run(out: Path, **ckpt):
         engine.take(step.nonfinite(torch.tensor(1.0)))
         seen.append((step.number, batch["sample_index"].tolist()))
         step.done(lambda w: {"train/w": w, "train/skipped": run.skipped}, engine.w)
-    finished = run.finish(lambda: saves.append(run.step), "test", {"flag": 1})
+    finished = run.finish("test", {"flag": 1}, save=lambda: saves.append(run.step))
     return run, engine, observer, seen, saves, finished
 
 
