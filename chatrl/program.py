@@ -57,7 +57,8 @@ def start_training(step_name: str, s, context_window: bool = True) -> tuple[Dist
     """
     model = s.model
     if context_window:
-        check_context_window(model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, model.trust_remote_code)
+        check_context_window(model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len},
+                             model.trust_remote_code)
     check_packing(s.packing, model.model_name_or_path, model.trust_remote_code)
     info = start(step_name, s.log, s.optim.seed, s.ckpt)
     return info, load_tokenizer(model.model_name_or_path, trust_remote_code=model.trust_remote_code)

@@ -188,8 +188,10 @@ class Run:
         for note in self.schedule.notes:  # defaults that adapted to a short run, said once
             self.tracker.write(note)
         total = self.schedule.total_steps
-        self.checkpoints = LoopCheckpoints(self.cfg, self.log.output_dir, self.saved.engines, self.saved.layout,
-                                           self.saved.modules, extra_state={"data_accounting": self.observer.accounting},
+        saved = self.saved
+        accounting = {"data_accounting": self.observer.accounting}
+        self.checkpoints = LoopCheckpoints(self.cfg, self.log.output_dir, saved.engines, saved.layout,
+                                           saved.modules, extra_state=accounting,
                                            spare=lambda step: self.observer.needs_checkpoint(step, total))
         self._started = False
 
@@ -206,7 +208,8 @@ class Run:
     def checkpoint_state(self) -> dict:
         """What a checkpoint of the run at its current step keeps besides the weights (JSON)."""
         return {"epoch": self.step // self.schedule.steps_per_epoch,
-                "initial_metrics": self.initial, "certificate": self.observer.state(), **(self.state() if self.state is not None else {})}
+                "initial_metrics": self.initial, "certificate": self.observer.state(),
+                **(self.state() if self.state is not None else {})}
 
     def start(self) -> dict | None:
         """Resume from the named checkpoint, or evaluate the initial model; returns the checkpoint's
@@ -224,7 +227,7 @@ class Run:
             self.tracker.write(f"resumed from {resumed['path']} at {self.schedule.unit} {self.step}")
         else:
             self.observer.started(None)
-            if self.evaluation is not None:  # else the data layer said once that training runs without evaluation
+            if self.evaluation is not None:  # else the data layer said once that there is no evaluation
                 self.metrics = self.evaluation.evaluate(0)
                 self.initial = dict(self.metrics)
                 self.tracker.log(self.metrics, step=0)
@@ -273,7 +276,7 @@ class Run:
         if self.checkpoints.due(n, total) or self.observer.needs_checkpoint(n, total):
             self.checkpoints.save(n, self.checkpoint_state())
         snapshots = getattr(self.settings, "snapshots", None)
-        if snapshots is not None and self.saved.hf_model is not None:  # an HF folder, for python -m chatrl.eval
+        if snapshots is not None and self.saved.hf_model is not None:  # for python -m chatrl.eval
             module, tokenizer = self.saved.hf_model
             save_snapshot_if_due(snapshots.save_hf_interval, n, total, module, tokenizer, self.log.output_dir)
 
@@ -316,32 +319,45 @@ class SupervisedData:
     micro_batches: MicroBatches
     batch: BatchSizes
     plan: StepPlan
+    what: str = "samples"
 
     @classmethod
     def of(cls, s, info, dataset, collate, what: str) -> SupervisedData:
         """From the program's settings ``s`` (``batch``, ``optim``, ``packing``), this rank ``info``, the
         training ``dataset`` and the micro-batches' ``collate``; ``what`` names a sample in messages."""
         loader = dist.seeded_loader(dataset, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
-        micro_batches = MicroBatches(collate, s.batch.per_device_train_batch_size, s.packing.max_tokens_per_micro_batch,
-                                     info.device, dist.all_reduce_max)
-        batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
+        micro_batches = MicroBatches(collate, s.batch.per_device_train_batch_size,
+                                     s.packing.max_tokens_per_micro_batch, info.device, dist.all_reduce_max)
+        batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps,
+                           info.world_size)
         plan = plan_steps(len(loader), len(dataset), batch, s.optim.num_train_epochs, s.optim.max_steps,
                           s.optim.num_warmup_steps, what=what)
-        return cls(loader, micro_batches, batch, plan)
+        return cls(loader, micro_batches, batch, plan, what)
 
     def schedule(self, title: str) -> Schedule:
         """The run's :class:`Schedule` (``title``: the progress bar's label)."""
-        return Schedule(self.plan.total_steps, self.plan.steps_per_epoch, self.batch.gradient_accumulation_steps,
-                        title, tuple(self.plan.notes), self.plan.cap_note)
+        plan = self.plan
+        return Schedule(plan.total_steps, plan.steps_per_epoch, self.batch.gradient_accumulation_steps, title,
+                        tuple(plan.notes), plan.cap_note)
+
+    def describe(self, info, zero_stage: int, dtype_note: str) -> str:
+        """The run's size in words: optimizer steps, global batch (ranks × per-rank batch ×
+        accumulation), ZeRO stage and dtype."""
+        b = self.batch
+        return (f"{self.plan.total_steps} optimizer steps of global batch {b.global_batch} {self.what} "
+                f"({info.world_size} ranks × {b.per_device_batch} × {b.gradient_accumulation_steps} "
+                f"accumulation), ZeRO-{zero_stage}, {dtype_note}")
 
     def engine(self, name: str, s, model, report) -> tuple[object, SupervisedEvidence]:
         """The certificate's evidence (its loss-scale probe copies ``model`` first) and the DeepSpeed
         engine that trains ``model`` (:func:`chatrl.dist.trained_engine`); ``name`` names the program
         in the certificate, ``report`` is the data's :class:`chatrl.data.SkipReport`."""
-        evidence = SupervisedEvidence.start(name, model, s.model.dtype, not s.certificate.disable_loss_scale_probe,
-                                            resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
-                                            self.loader, self.plan.steps_per_epoch,
-                                            self.batch.gradient_accumulation_steps, report)
-        engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, self.batch, self.plan.total_steps,
-                                     self.plan.num_warmup_steps)
+        out, plan = s.log.output_dir, self.plan
+        gas = self.batch.gradient_accumulation_steps
+        probe = not s.certificate.disable_loss_scale_probe
+        evidence = SupervisedEvidence.start(name, model, s.model.dtype, probe,
+                                            resume_path(s.ckpt, out) is not None, out, self.loader,
+                                            plan.steps_per_epoch, gas, report)
+        engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, self.batch,
+                                     plan.total_steps, plan.num_warmup_steps)
         return engine, evidence

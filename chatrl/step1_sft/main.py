@@ -136,9 +136,8 @@ def run(argv: list[str] | None = None) -> dict:
 
     run = Run(s, info, train.schedule("step 1 SFT"), train.loader,
               Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
-              opening=f"step 1: {len(data.train)} samples, {train.plan.total_steps} optimizer steps of global batch "
-                      f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
-                      f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}",
+              opening=f"step 1: {len(data.train)} samples, "
+                      f"{train.describe(info, s.zero.zero_stage, s.model.dtype_note)}",
               evaluation=Evaluation(evaluation, describe_eval) if data.evaluates else None)
     def figures(step_nll: float, n_global: float) -> dict:  # the step's, logged when due
         return {"train/loss": dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0),
@@ -172,10 +171,12 @@ def run(argv: list[str] | None = None) -> dict:
                             s.eos_check.eval_max_new_tokens, s.zero.zero_stage, info)
             run.metrics["eval/eos_rate"] = rate
             run.tracker.log({"eval/eos_rate": rate}, run.step)
-            run.tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: {rate:.1%}")
+            run.tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: "
+                              f"{rate:.1%}")
 
     run.finish(1, vars(args), before_save=eos_check)
-    return {"metrics": run.metrics, "engine": engine, "tokenizer": tokenizer, "settings": s, "certificate": evidence.cert}
+    return {"metrics": run.metrics, "engine": engine, "tokenizer": tokenizer, "settings": s,
+            "certificate": evidence.cert}
 
 
 if __name__ == "__main__":

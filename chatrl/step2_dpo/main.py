@@ -148,7 +148,8 @@ def describe(m: dict, prefix: str = "eval") -> str:
 
 def describe_eval(m: dict) -> str:
     """The eval line: :func:`describe`, and the EOS share when measured (before training)."""
-    return describe(m) + (f", greedy answers ending in EOS {m['eval/eos_rate']:.1%}" if "eval/eos_rate" in m else "")
+    eos = f", greedy answers ending in EOS {m['eval/eos_rate']:.1%}" if "eval/eos_rate" in m else ""
+    return describe(m) + eos
 
 
 def precompute_reference(reference, tracker, splits: tuple, collate, batch: config.BatchConfig, info) -> None:
@@ -156,7 +157,8 @@ def precompute_reference(reference, tracker, splits: tuple, collate, batch: conf
     (``splits``), computed once, then the reference model released."""
     t_ref = time.time()
     for split, pairs in zip(("train", "eval"), splits, strict=True):
-        reference.precompute(split, pairs, collate, batch.per_device_eval_batch_size, info.rank, info.world_size)
+        reference.precompute(split, pairs, collate, batch.per_device_eval_batch_size, info.rank,
+                             info.world_size)
     reference.release()
     tracker.write(f"reference log-probs of {len(splits[0])} + {len(splits[1])} pairs precomputed in "
                   f"{time.time() - t_ref:.1f} s; the reference model is released")
@@ -165,6 +167,26 @@ def precompute_reference(reference, tracker, splits: tuple, collate, batch: conf
 def chosen_prompts(pairs, n: int) -> list:
     """The prompt ids of the first ``n`` pairs (for the EOS check)."""
     return [pairs[i]["chosen_input_ids"][: pairs[i]["prompt_len"]] for i in range(min(n, len(pairs)))]
+
+
+def eos_share(engine, tokenizer, s: DPOSettings, pairs, info) -> float:
+    """The share of greedy answers to the prompts of the first ``--eval_eos_samples`` ``pairs`` that
+    end their turn within ``--eval_max_new_tokens`` (:func:`chatrl.generation.eos_rate`; a collective)."""
+    eos = s.eos_check
+    return eos_rate(engine, chosen_prompts(pairs, eos.eval_eos_samples), tokenizer, eos.eval_max_new_tokens,
+                    s.zero.zero_stage, info)
+
+
+def eos_check(run, engine, tokenizer, s: DPOSettings, data, info) -> None:
+    """At the end, with ``--eval_eos_samples`` and an eval split: the share of greedy answers that end
+    their turn (:func:`eos_share`), logged and kept in the run's metrics beside the share before DPO."""
+    eos = s.eos_check
+    if eos.eval_eos_samples and data.evaluates:
+        rate = run.metrics["eval/eos_rate"] = eos_share(engine, tokenizer, s, data.eval, info)
+        run.tracker.log({"eval/eos_rate": rate}, run.step)
+        before = run.initial.get("eval/eos_rate")
+        run.tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
+                          + (f" (before DPO: {before:.1%})" if before is not None else ""))
 
 
 def one_batch_loss(dataset, collate, settings: DPOConfig):
@@ -191,6 +213,18 @@ def main(argv: list[str] | None = None) -> dict:
     return run(argv)["metrics"]
 
 
+def policy_and_reference(s: DPOSettings, tokenizer, train: SupervisedData, report, info) -> tuple:
+    """The policy's engine, the certificate's evidence (made before the engine wraps the policy) and
+    the reference (:func:`chatrl.step2_dpo.reference.build_reference`; when it is a copy, the policy's
+    weights as loaded, before LoRA). Returns ``(engine, evidence, reference)``."""
+    ref_kind = reference_kind(s.dpo, s.lora)
+    model, ref_model = load_trainable("causal_lm", tokenizer, s.model, s.lora,
+                                      keep_copy="base" if ref_kind == "copy" else None)
+    engine, evidence = train.engine("step 2 (DPO)", s, model, report)
+    reference = build_reference(ref_kind, s.zero, s.model.dtype, ref_model, engine, train.batch, info)
+    return engine, evidence, reference
+
+
 def run(argv: list[str] | None = None) -> dict:
     """Run DPO and return ``{"metrics", "engine", "reference", "tokenizer", "settings"}`` (for in-process checks)."""
     parser = build_parser()
@@ -205,35 +239,28 @@ def run(argv: list[str] | None = None) -> dict:
     train_pairs, eval_pairs = IndexedPairs(data.train), IndexedPairs(data.eval)
     collate = DPOCollator(tokenizer.pad_token_id, padding_side="right")  # eval and reference precompute batches
     # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
-    train = SupervisedData.of(s, info, train_pairs, PackedDPOCollator(tokenizer.pad_token_id) if s.packing.packing
-                              else collate, "pairs")
+    train = SupervisedData.of(s, info, train_pairs,
+                              PackedDPOCollator(tokenizer.pad_token_id) if s.packing.packing else collate,
+                              "pairs")
     batch, eos = train.batch, s.eos_check
-    ref_kind = reference_kind(s.dpo, s.lora)
-    # the frozen reference, when it is a copy: the policy's weights as loaded, before LoRA
-    model, ref_model = load_trainable("causal_lm", tokenizer, s.model, s.lora,
-                                      keep_copy="base" if ref_kind == "copy" else None)
-    engine, evidence = train.engine("step 2 (DPO)", s, model, data.report)
-    reference = build_reference(ref_kind, s.zero, s.model.dtype, ref_model, engine, batch, info)
-    del ref_model
+    engine, evidence, reference = policy_and_reference(s, tokenizer, train, data.report, info)
 
     def evaluation(step: int) -> dict:
         metrics = evaluate(engine, reference, s.dpo, eval_pairs, collate, s.batch, info)
-        if step == 0 and eos.eval_eos_samples:  # the same prompts as the check at the end: the share before vs after
-            metrics["eval/eos_rate"] = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer,
-                                                eos.eval_max_new_tokens, s.zero.zero_stage, info)
+        if step == 0 and eos.eval_eos_samples:  # the prompts of the check at the end: before vs after
+            metrics["eval/eos_rate"] = eos_share(engine, tokenizer, s, data.eval, info)
         return metrics
 
     def figures(stats: torch.Tensor) -> dict:  # the step's, logged when due
-        return {**metrics_from(dist.all_reduce_sum(stats), "train"), "train/lr": engine.lr_scheduler.get_last_lr()[0],
-                "train/skipped_steps": run.skipped, "train/pairs_per_s": run.per_second(batch.global_batch)}
+        return {**metrics_from(dist.all_reduce_sum(stats), "train"),
+                "train/lr": engine.lr_scheduler.get_last_lr()[0], "train/skipped_steps": run.skipped,
+                "train/pairs_per_s": run.per_second(batch.global_batch)}
 
     run = Run(s, info, train.schedule("step 2 DPO"), train.loader,
               Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
               opening=f"step 2 (DPO, {s.dpo.loss_type}, β {s.dpo.beta}, ε {s.dpo.label_smoothing}): "
-                      f"{len(train_pairs)} pairs, {train.plan.total_steps} optimizer steps of global batch "
-                      f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
-                      f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, "
-                      f"{s.model.dtype_note}, reference: {reference.kind}",
+                      f"{len(train_pairs)} pairs, {train.describe(info, s.zero.zero_stage, s.model.dtype_note)},"
+                      f" reference: {reference.kind}",
               evaluation=Evaluation(evaluation, describe_eval) if data.evaluates else None)
     if s.reference.precompute_ref_log_probs and reference.kind != "none":
         precompute_reference(reference, run.tracker, (train_pairs, eval_pairs), collate, s.batch, info)
@@ -259,18 +286,9 @@ def run(argv: list[str] | None = None) -> dict:
             step.probe(probe_items, one_batch_loss(train_pairs, collate, s.dpo))
         step.done(figures, stats)
 
-    def eos_check():  # the EOS check reads the eval split's prompts
-        if eos.eval_eos_samples and data.evaluates:
-            rate = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer,
-                            eos.eval_max_new_tokens, s.zero.zero_stage, info)
-            run.metrics["eval/eos_rate"] = rate
-            run.tracker.log({"eval/eos_rate": rate}, run.step)
-            before = run.initial.get("eval/eos_rate")
-            run.tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
-                              + (f" (before DPO: {before:.1%})" if before is not None else ""))
-
-    run.finish("2-dpo", vars(args), before_save=eos_check)
-    return {"metrics": run.metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer, "settings": s}
+    run.finish("2-dpo", vars(args), before_save=lambda: eos_check(run, engine, tokenizer, s, data, info))
+    return {"metrics": run.metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer,
+            "settings": s}
 
 
 if __name__ == "__main__":

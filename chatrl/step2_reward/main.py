@@ -143,8 +143,8 @@ def run(argv: list[str] | None = None) -> dict:
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")  # eval batches
     # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
-    train = SupervisedData.of(s, info, data.train, PackedPairCollator(tokenizer.pad_token_id) if s.packing.packing
-                              else collate, "pairs")
+    train = SupervisedData.of(s, info, data.train,
+                              PackedPairCollator(tokenizer.pad_token_id) if s.packing.packing else collate, "pairs")
     batch = train.batch
     model = load_trainable("reward", tokenizer, s.model, s.lora, require_head=False).model
     engine, evidence = train.engine("step 2 (reward model)", s, model, data.report)
@@ -158,11 +158,9 @@ def run(argv: list[str] | None = None) -> dict:
                 "train/lr": engine.lr_scheduler.get_last_lr()[0], "train/skipped_steps": run.skipped,
                 "train/pairs_per_s": run.per_second(batch.global_batch)}
 
-    run = Run(s, info, train.schedule("step 2 reward model"), train.loader, Saved({"model": engine}, batch.layout()),
-              evidence, opening=f"step 2: {len(data.train)} pairs, {train.plan.total_steps} optimizer steps of global "
-                                f"batch {batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} "
-                                f"× {batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, "
-                                f"{s.model.dtype_note}",
+    run = Run(s, info, train.schedule("step 2 reward model"), train.loader,
+              Saved({"model": engine}, batch.layout()), evidence, opening=f"step 2: {len(data.train)} pairs, "
+                                f"{train.describe(info, s.zero.zero_stage, s.model.dtype_note)}",
               evaluation=Evaluation(evaluation, describe_eval) if data.evaluates else None)
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
     scale_base = info.world_size * batch.gradient_accumulation_steps
@@ -177,7 +175,8 @@ def run(argv: list[str] | None = None) -> dict:
             _, scores = engine(m["input_ids"], m["attention_mask"], packed=m.get("packed"))
             chosen, rejected = split_pairs(scores)
             losses = pairwise_losses(chosen, rejected, m.get("margin"))
-            loss = step.nonfinite(losses.sum() * (scale_base / max(n_global, 1.0)))  # DeepSpeed divides by scale_base
+            # DeepSpeed divides by scale_base
+            loss = step.nonfinite(losses.sum() * (scale_base / max(n_global, 1.0)))
             engine.backward(loss)
             engine.step()
             stats += torch.tensor([losses.sum().item(), (chosen > rejected).sum().item(), chosen.numel()],

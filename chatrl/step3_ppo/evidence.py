@@ -43,7 +43,8 @@ class Step3Evidence(RunObserver):
     """
 
     def __init__(self, settings, args, info, plan, trainer, probes: dict, loader, report):
-        self.s, self.args, self.info, self.plan, self.trainer, self.probes = settings, args, info, plan, trainer, probes
+        self.s, self.args, self.info, self.plan = settings, args, info, plan
+        self.trainer, self.probes = trainer, probes
         self.cert = Certificate(settings.log.output_dir, f"step 3 ({settings.algorithm.name})")
         self.accounting = DataAccounting(loader, plan.buffers_per_epoch, settings.rollout.generation_batches,
                                          pipeline_skips(report))
@@ -89,7 +90,8 @@ class Step3Evidence(RunObserver):
         trace = t.learning_trace() or {}
         for name, probe in self.probes.items():
             if t.loss_aggregation(name) == "micro-batch-token-mean":
-                props.append(probe.skip("--loss_agg_mode micro-batch-token-mean depends on the split by design"))
+                props.append(probe.skip("--loss_agg_mode micro-batch-token-mean depends on the split by "
+                                        "design"))
                 continue
             norms = trace.get(f"{name}_grad_norm") or [None]
             loss = t.one_batch_actor_loss if name == "actor" else t.one_batch_critic_loss
@@ -114,7 +116,8 @@ class Step3Evidence(RunObserver):
                    "critic_grad_norm": (trace or {}).get("critic_grad_norm", []),
                    "kl_coef": metrics.get("kl_coef"), "metrics": metrics}
         index = {"args": vars(self.args), "tokenizer": self.s.actor.model_name_or_path,
-                 "algorithm": self.s.algorithm.name, "dtype": self.s.actor.dtype, "ppo_epochs": self.s.ppo.ppo_epochs,
+                 "algorithm": self.s.algorithm.name, "dtype": self.s.actor.dtype,
+                 "ppo_epochs": self.s.ppo.ppo_epochs,
                  "checkpoint": f"step_{n - 1}" if n > 1 else None, "figures": figures}
         write_step(self.s.log.output_dir, n, self.info.rank, self.info.world_size, exp, trace,
                    index if self.info.is_main else None, barrier=dist.barrier)
@@ -126,8 +129,8 @@ class Step3Evidence(RunObserver):
 
     def finish(self, steps: int) -> Certificate:
         """Every property after ``steps`` training steps; writes ``certificate.json`` (a collective)."""
-        self.cert.add(agreement_property(self.logp_diff_max, self.s.actor.dtype, self.s.certificate.logp_diff_bound,
-                                         self.steps))
+        self.cert.add(agreement_property(self.logp_diff_max, self.s.actor.dtype,
+                                         self.s.certificate.logp_diff_bound, self.steps))
         self.cert.add(weight_version_property(self.trainer.weight_versions()))
         self.cert.add(self.accounting.finish(self.steps))
         if "loss_scale" not in self.cert.properties:

@@ -44,8 +44,8 @@ def _nan_products(tree: ast.AST) -> int:
     def is_nan(n):
         return (isinstance(n, ast.Call) and getattr(n.func, "id", "") == "float" and n.args
                 and isinstance(n.args[0], ast.Constant) and n.args[0].value == "nan")
-    return sum(1 for n in ast.walk(tree)
-               if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) and (is_nan(n.left) or is_nan(n.right)))
+    return sum(1 for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
+               and (is_nan(n.left) or is_nan(n.right)))
 
 
 def test_only_the_run_writes_markers_builds_checkpoint_schedules_and_stops():
@@ -89,7 +89,8 @@ def trainer_field_reads(source: str, methods: set[str]) -> list[str]:
             pairs = (zip(targets.elts, values.elts, strict=False) if isinstance(targets, ast.Tuple)
                      and isinstance(values, ast.Tuple) else [(targets, values)])
             for target, value in pairs:
-                if isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and value.attr == "trainer":
+                if (isinstance(target, ast.Name) and isinstance(value, ast.Attribute)
+                        and value.attr == "trainer"):
                     aliases.add(target.id)
     bad = []
     for node in ast.walk(tree):
@@ -119,7 +120,8 @@ def test_the_field_scan_sees_fields_read_and_set():
               "        rows = exp.rows(slice(0, t.gas * t.mb))\n"
               "        self.trainer.trace = {}\n"
               "        return t.weight_versions()\n")
-    assert trainer_field_reads(source, {"weight_versions"}) == ["line 4: .gas", "line 4: .mb", "line 5: .trace"]
+    found = trainer_field_reads(source, {"weight_versions"})
+    assert found == ["line 4: .gas", "line 4: .mb", "line 5: .trace"]
 
 
 # ------------------------------------------------------------------ behaviour, on fakes
@@ -168,12 +170,15 @@ class Recorder(RunObserver):
 def _run(out: Path, **ckpt):
     """Five steps over four examples, two per batch, one batch per step (two steps an epoch); logs
     every 2 steps, evaluations at each epoch's end; the loss is NaN at step 4."""
-    loader = DataLoader(list(range(4)), batch_size=2, collate_fn=lambda xs: {"sample_index": torch.tensor(xs)},
+    loader = DataLoader(list(range(4)), batch_size=2,
+                        collate_fn=lambda xs: {"sample_index": torch.tensor(xs)},
                         sampler=DistributedSampler(list(range(4)), num_replicas=1, rank=0, shuffle=False))
     engine, observer, seen, saves = FakeEngine(), Recorder(loader, 2), [], []
     settings = SimpleNamespace(log=LogConfig(output_dir=str(out), log_interval=2, disable_progress_bar=True),
-                               ckpt=CheckpointConfig(debug_nonfinite_steps=[4], max_nonfinite_steps=0, **ckpt))
-    run = Run(settings, SimpleNamespace(is_main=True, rank=0, world_size=1), Schedule(5, 2, 1, "test"), loader,
+                               ckpt=CheckpointConfig(debug_nonfinite_steps=[4], max_nonfinite_steps=0,
+                                                     **ckpt))
+    info = SimpleNamespace(is_main=True, rank=0, world_size=1)
+    run = Run(settings, info, Schedule(5, 2, 1, "test"), loader,
               Saved({"model": engine}, {"world_size": 1}), observer,
               evaluation=Evaluation(lambda step: {"eval/w": float(engine.w)}, lambda m: f"w {m['eval/w']}"))
     for step in run:
@@ -184,6 +189,13 @@ def _run(out: Path, **ckpt):
         step.done(lambda w: {"train/w": w, "train/skipped": run.skipped}, engine.w)
     finished = run.finish("test", {"flag": 1}, save=lambda: saves.append(run.step))
     return run, engine, observer, seen, saves, finished
+
+
+#: (step, name, value) logged by :func:`_run` over its five steps: figures every 2nd step and at the last
+#: (step 4 skipped: w stays 3); evaluations before training, at each epoch's end and at the last step.
+LOGGED = [(0, "eval/w", 0.0), (2, "train/skipped", 0.0), (2, "train/w", 2.0), (2, "eval/w", 2.0),
+          (4, "train/skipped", 1.0), (4, "train/w", 3.0), (4, "eval/w", 3.0),
+          (5, "train/skipped", 1.0), (5, "train/w", 4.0), (5, "eval/w", 4.0)]
 
 
 def _logged(out: Path) -> list[tuple]:
@@ -201,14 +213,14 @@ def test_a_whole_run_keeps_its_cadence(tmp_path):
                                ("after", 2, False), ("before", 3), ("after", 3, False), ("before", 4),
                                ("after", 4, True), ("before", 5), ("after", 5, False), ("finish", 5)]
     # figures every 2nd step and at the last; evaluations before training, at each epoch's end and at the last
-    assert _logged(out) == [(0, "eval/w", 0.0), (2, "train/skipped", 0.0), (2, "train/w", 2.0), (2, "eval/w", 2.0),
-                            (4, "train/skipped", 1.0), (4, "train/w", 3.0), (4, "eval/w", 3.0),
-                            (5, "train/skipped", 1.0), (5, "train/w", 4.0), (5, "eval/w", 4.0)]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]  # never after the last
+    assert _logged(out) == LOGGED
+    # never after the last step
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
     marker = json.loads((out / "chatrl_run.json").read_text())
-    assert marker == {"step": "test", "steps": 5, "metrics": {"eval/w": 4.0}, "initial_metrics": {"eval/w": 0.0},
-                      "args": {"flag": 1}}
-    assert observer.result.passed and observer.result.figure == 0.0  # every example as often as the order says
+    assert marker == {"step": "test", "steps": 5, "metrics": {"eval/w": 4.0},
+                      "initial_metrics": {"eval/w": 0.0}, "args": {"flag": 1}}
+    # every example as often as the order says
+    assert observer.result.passed and observer.result.figure == 0.0
 
 
 def test_a_stopped_run_resumes_where_its_checkpoint_left_it(tmp_path):
@@ -218,16 +230,16 @@ def test_a_stopped_run_resumes_where_its_checkpoint_left_it(tmp_path):
     assert seen == [(1, [0, 1]), (2, [2, 3]), (3, [0, 1])] and ("finish", 3) not in observer.events
     run, engine, observer, seen, saves, finished = _run(out, save_interval=2, resume=True)
     assert finished and saves == [5]
-    assert seen == [(3, [0, 1]), (4, [2, 3]), (5, [0, 1])]  # from the step-2 checkpoint: step 3, epoch 1's first batch
+    # from the step-2 checkpoint: step 3, epoch 1's first batch
+    assert seen == [(3, [0, 1]), (4, [2, 3]), (5, [0, 1])]
     assert observer.events[:2] == [("started", 2), ("before", 3)] and observer.events[-1] == ("finish", 5)
     assert engine.w == 4 and run.skipped == 1  # 2 from the checkpoint, then steps 3 and 5
-    # the log keeps the rows up to the checkpoint, then the resumed steps' rows (step 3's stopped rows are gone)
-    assert _logged(out) == [(0, "eval/w", 0.0), (2, "train/skipped", 0.0), (2, "train/w", 2.0), (2, "eval/w", 2.0),
-                            (4, "train/skipped", 1.0), (4, "train/w", 3.0), (4, "eval/w", 3.0),
-                            (5, "train/skipped", 1.0), (5, "train/w", 4.0), (5, "eval/w", 4.0)]
+    # the log keeps the rows up to the checkpoint, then the resumed steps' (step 3's stopped rows are gone)
+    assert _logged(out) == LOGGED
     marker = json.loads((out / "chatrl_run.json").read_text())
-    assert marker["steps"] == 5 and marker["initial_metrics"] == {"eval/w": 0.0}  # kept through the checkpoint
-    assert observer.result.passed and observer.result.figure == 0.0  # the counts came back with the checkpoint
+    # the initial metrics and the data counts came back with the checkpoint
+    assert marker["steps"] == 5 and marker["initial_metrics"] == {"eval/w": 0.0}
+    assert observer.result.passed and observer.result.figure == 0.0
 
 
 def test_the_non_finite_hook_marks_only_the_listed_steps(tmp_path):
