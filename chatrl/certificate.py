@@ -447,14 +447,51 @@ def merge_loss_scale(props: list[Property]) -> Property:
                                                            for i, p in enumerate(props)})
 
 
-# ------------------------------------------------------------------- the supervised steps' certificate
+# ------------------------------------------------------------------- the certificate as a run's observer
+class RunObserver:
+    """What a run (:class:`chatrl.run.Run`) tells its certificate, in order: :meth:`started` (from
+    scratch or resumed), :meth:`before_step` and :meth:`after_step` around each training step's body,
+    :meth:`finish` at the end. Between them the run asks :meth:`state` (for a checkpoint),
+    :meth:`probing` (whether the loss-scale probe runs after this step) and :meth:`needs_checkpoint`.
+    ``accounting`` (:class:`DataAccounting`) is fed every batch that reaches the loss and kept in
+    checkpoints. An observer reads a trainer only through its public methods."""
+
+    accounting: DataAccounting
+
+    def started(self, resumed: dict | None) -> None:
+        """The run starts from scratch (None) or resumes from a checkpoint's state (its ``certificate``)."""
+
+    def probing(self) -> bool:
+        """Whether a loss-scale probe is still to run."""
+        return False
+
+    def before_step(self, step) -> None:
+        """Before the body of training step ``step`` (:class:`chatrl.run.Step`)."""
+
+    def after_step(self, step) -> None:
+        """After step ``step``'s body, its non-finite guard and its figures (``step.figures``)."""
+
+    def needs_checkpoint(self, step: int, total: int) -> bool:
+        """Whether the certificate needs a checkpoint of step ``step`` of ``total`` (besides the schedule's)."""
+        return False
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the certificate (JSON)."""
+        return {}
+
+    def finish(self, steps: int):
+        """After ``steps`` training steps: every property; writes ``certificate.json`` (a collective)."""
+        raise NotImplementedError
+
+
 @dataclass
-class SupervisedEvidence:
+class SupervisedEvidence(RunObserver):
     """The certificate of step 1, step 2 or DPO and the two properties their loops measure.
 
     ``cert`` (:class:`Certificate`), ``probe`` (:class:`LossScaleProbe`, checked after the first
-    optimizer step) and ``accounting`` (:class:`DataAccounting`, fed every loader batch); made by
-    :meth:`start` before the engine wraps the model, closed by :meth:`finish` after the loop.
+    optimizer step with the inputs the loop gives ``step.probe``) and ``accounting``
+    (:class:`DataAccounting`, fed every micro-batch); made by :meth:`start` before the engine wraps
+    the model, closed by :meth:`finish` after the loop.
     """
 
     cert: Certificate
@@ -477,6 +514,26 @@ class SupervisedEvidence:
         probe = LossScaleProbe.start(model, dtype, probe_enabled, resuming)
         return cls(Certificate(output_dir, program), probe,
                    DataAccounting(loader, steps_per_epoch, batches_per_step, pipeline_skips(report)))
+
+    def started(self, resumed: dict | None) -> None:
+        """A resumed run keeps the properties its checkpoint holds."""
+        if resumed:
+            self.cert.restore(resumed.get("certificate"))
+
+    def probing(self) -> bool:
+        """Whether the loss-scale probe is still to run (after the run's first optimizer step)."""
+        return self.probe.active
+
+    def after_step(self, step) -> None:
+        """After the first optimizer step: the loss-scale probe (a collective) with ``step.probe_input``
+        and the engine's gradient norm (``step.grad_norm()``)."""
+        if self.probe.active:
+            items, reference_loss = step.probe_input
+            self.check_loss_scale(step.grad_norm(), items, reference_loss)
+
+    def state(self) -> dict:
+        """The properties measured so far."""
+        return self.cert.state()
 
     def check_loss_scale(self, engine_norm: float | None, items, reference_loss) -> Property:
         """After the first optimizer step: :meth:`LossScaleProbe.check` (a collective), added to the certificate."""

@@ -11,6 +11,7 @@ from chatrl.certificate import CERTIFICATE_FILE
 from chatrl.checkpoint import CHECKPOINT_DIR, RUN_MARKER, check_output_dir, resume_path
 from chatrl.config import CheckpointConfig, LogConfig
 from chatrl.dist import DistInfo, barrier, init_distributed
+from chatrl.models import check_context_window, check_packing, load_tokenizer
 from chatrl.resilience import set_progress, stop_on_ctrl_c
 from chatrl.rollout_records import ROLLOUTS_DIR
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, setup_logging
@@ -42,6 +43,25 @@ def start(step_name: str, log: LogConfig, seed: int, ckpt: CheckpointConfig | No
         barrier()
     set_seed(seed)
     return info
+
+
+def start_training(step_name: str, s, context_window: bool = True) -> tuple[DistInfo, object]:
+    """What a supervised program (steps 1, 2, DPO) does first, from its settings ``s`` (``model``,
+    ``data``, ``packing``, ``log``, ``optim``, ``ckpt``): the sequence budget checked against the
+    model's context window (``context_window``), ``--packing`` checked for the model's family (both
+    before anything is loaded), :func:`start`, then the model's tokenizer. Returns ``(this rank, tokenizer)``.
+
+    Raises:
+        UsageError: ``--max_seq_len`` beyond the context window, ``--packing`` for an unsupported
+            family, or an ``--output_dir`` that holds a finished run.
+    """
+    model = s.model
+    if context_window:
+        check_context_window(model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len},
+                             model.trust_remote_code)
+    check_packing(s.packing, model.model_name_or_path, model.trust_remote_code)
+    info = start(step_name, s.log, s.optim.seed, s.ckpt)
+    return info, load_tokenizer(model.model_name_or_path, trust_remote_code=model.trust_remote_code)
 
 
 #: What a run leaves in its output folder that a new run from scratch must not inherit: its marker,

@@ -7,7 +7,7 @@
 * :class:`NonFiniteGuard` watches the engines of a step: a training step with a skipped optimizer
   step is counted, and ``max_in_a_row`` such steps in a row raise :class:`NonFiniteError` (the
   caller writes a checkpoint of the last good weights first: a skipped step changes nothing).
-* :func:`nonfinite_scores` is the ``--debug_nonfinite_steps`` testing hook of step 3 (NaN rewards).
+* :func:`nonfinite_scores` puts step 3's rewards through the ``--debug_nonfinite_steps`` testing hook.
 * :func:`report_failure` turns an exception on a rank into one line naming the rank, the step and
   the optimizer step reached, before the exception ends the process with a non-zero code (the
   launcher then stops the other ranks); a :class:`chatrl.errors.UsageError` (bad input the message
@@ -117,16 +117,14 @@ class NonFiniteGuard:
         return True
 
 
-def nonfinite_scores(reward, steps: list[int], current_step):
-    """Testing hook (``--debug_nonfinite_steps``): step 3's ``reward`` (``reward(batch) -> (scores (B,),
-    parts)``, :class:`chatrl.rewards.WeightedReward`) whose scores are NaN while ``current_step()``
-    is one of ``steps``; ``reward`` itself when ``steps`` is empty."""
-    if not steps:
-        return reward
+def nonfinite_scores(reward, hook):
+    """Step 3's ``reward`` (``reward(batch) -> (scores (B,), parts)``, :class:`chatrl.rewards.WeightedReward`)
+    with its scores passed through ``hook`` (``--debug_nonfinite_steps``: :meth:`chatrl.run.Run.nonfinite`,
+    NaN at the listed steps)."""
 
     def scores(batch):
         total, parts = reward(batch)
-        return (total * float("nan") if current_step() in steps else total), parts
+        return hook(total), parts
 
     return scores
 

@@ -251,6 +251,16 @@ class WeightVersionCheck:
         self.versions: list[int] = []
         self.failure: str | None = None
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (JSON): the rollouts checked, the largest gap and bound, the versions."""
+        return {"rollouts": self.rollouts, "max_gap": self.max_gap, "max_bound": self.max_bound,
+                "versions": self.versions}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from :meth:`state_dict` (a resumed run)."""
+        self.rollouts, self.max_gap = int(saved.get("rollouts", 0)), float(saved.get("max_gap", 0.0))
+        self.max_bound, self.versions = float(saved.get("max_bound", 0.0)), list(saved.get("versions", []))
+
     def check(self, versions: torch.Tensor, checksums: torch.Tensor, expected: WeightStamp, step: int,
               all_reduce_sum: Callable | None = None, all_reduce_max: Callable | None = None,
               bound: float = 0.0) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from chatrl.logprobs import IGNORE_INDEX, token_logprobs
-from chatrl.models import labelled_token_logits
+from chatrl.models import causal_lm_logits, labelled_token_logits
 from chatrl.packing import PackedRows
 
 
@@ -62,3 +62,22 @@ def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     # a few positions at a time (token_logprobs): never an (N, V) float32 copy of a bf16 head's logits
     nll = -token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0)).sum()
     return nll, labels.new_tensor(targets.numel())
+
+
+def full_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_nll` of ``model`` on ``(B, T)`` padded rows with every position's logits computed
+    (the definition the loss-scale probe checks :func:`sft_nll` against)."""
+    return token_nll(causal_lm_logits(model, input_ids, attention_mask), labels)
+
+
+def labelled_tokens(labels: torch.Tensor) -> int:
+    """How many tokens of ``(B, T)`` ``labels`` (padded or packed rows) carry a loss: every labelled
+    position after the first, which no position predicts."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def only_rows(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` ``labels`` with the rows where ``keep`` ``(B,)`` is False carrying no loss (an eval
+    batch's padding rows)."""
+    return labels.masked_fill(~keep[:, None], IGNORE_INDEX)

@@ -19,28 +19,20 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import SupervisedEvidence, sequence_chunks
-from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
-from chatrl.data.collate import MicroBatches, PackedSFTCollator
+from chatrl.data.collate import PackedSFTCollator
 from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
 from chatrl.generation import eos_rate
-from chatrl.logprobs import IGNORE_INDEX
-from chatrl.models import causal_lm_logits, check_context_window, check_packing, load_tokenizer
-from chatrl.resilience import set_progress
-from chatrl.sizes import BatchSizes, plan_steps
-from chatrl.step1_sft.loss import sft_nll, token_nll
-from chatrl.tracking import Tracker
+from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
+from chatrl.step1_sft.loss import full_nll, labelled_tokens, only_rows, sft_nll
 from chatrl.trainable import load_trainable
-from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step1")
 
@@ -84,13 +76,18 @@ def evaluate(engine, dataset, collate, batch: config.BatchConfig, info) -> dict:
         if batch.eval_iters and i >= batch.eval_iters:
             break
         b = {k: v.to(info.device) for k, v in b.items()}
-        labels = b["labels"].masked_fill(~real.to(info.device)[:, None], IGNORE_INDEX)
+        labels = only_rows(b["labels"], real.to(info.device))
         nll, n = sft_nll(engine, b["input_ids"], b["attention_mask"], labels)
         total += torch.tensor([nll.item(), n.item()], dtype=torch.float64)
     engine.train()
     nll_sum, n_tokens = dist.all_reduce_sum(total).tolist()
     loss = nll_sum / n_tokens if n_tokens else math.nan
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/tokens": n_tokens}
+
+
+def describe_eval(m: dict) -> str:
+    """One line of ``eval/*`` metrics for the log."""
+    return f"loss {m['eval/loss']:.4f} ppl {m['eval/ppl']:.2f}"
 
 
 def eval_prompts(dataset, n: int) -> list:
@@ -107,10 +104,10 @@ def one_batch_loss(dataset, collate):
 
     def loss(model, parts: list):
         b = collate([dataset[i] for part in parts for idx in part for i in idx.tolist()])
-        n = (b["labels"][:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+        n = max(labelled_tokens(b["labels"]), 1)
         for rows in sequence_chunks(len(b["input_ids"])):
-            ids, mask = b["input_ids"][rows.start:rows.stop], b["attention_mask"][rows.start:rows.stop]
-            yield token_nll(causal_lm_logits(model, ids, mask), b["labels"][rows.start:rows.stop])[0] / n
+            k = slice(rows.start, rows.stop)
+            yield full_nll(model, b["input_ids"][k], b["attention_mask"][k], b["labels"][k])[0] / n
 
     return loss
 
@@ -121,119 +118,69 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(argv: list[str] | None = None) -> dict:
-    """Run step 1 and return ``{"metrics", "engine", "tokenizer", "settings"}`` (the engine for in-process checks)."""
+    """Run step 1 and return ``{"metrics", "engine", "tokenizer", "settings", "certificate"}`` (the
+    engine for in-process checks)."""
     args = cli.parse(build_parser(), argv)
     s: Step1Settings = config.read(Step1Settings, args)
-    check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
-    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 1 (SFT)", s.log, s.optim.seed, s.ckpt)
-
-    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
+    info, tokenizer = program.start_training("step 1 (SFT)", s)
     all_turns = s.sft.train_all_assistant_turns
     check_startup(tokenizer, startup_conversations(s.data.data_path, turn_by_turn=all_turns == "true"), "step 1",
                   s.template_check.skip_template_check, log)
     data = phase_data(1, s.data, tokenizer, s.optim.seed, all_turns=all_turns)
     collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)  # eval batches
     # training: each optimizer step's samples, cut into micro-batches by count or token budget, padded or packed
-    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
-    micro_batches = MicroBatches(PackedSFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)
-                                 if s.packing.packing else collate, s.batch.per_device_train_batch_size,
-                                 s.packing.max_tokens_per_micro_batch, info.device, dist.all_reduce_max)
-
-    batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
-    plan = plan_steps(len(loader), len(data.train), batch, s.optim.num_train_epochs, s.optim.max_steps,
-                      s.optim.num_warmup_steps, what="samples")
-    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
+    train = SupervisedData.of(s, info, data.train, PackedSFTCollator(tokenizer.pad_token_id, mask_prompt=not
+                              s.sft.include_prompt_loss) if s.packing.packing else collate, "samples")
+    batch = train.batch
     model = load_trainable("causal_lm", tokenizer, s.model, s.lora).model
-    evidence = SupervisedEvidence.start("step 1 (SFT)", model, s.model.dtype,
-                                        not s.certificate.disable_loss_scale_probe,
-                                        resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
-                                        loader, steps_per_epoch, batch.gradient_accumulation_steps, data.report)
-    engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
-                                 plan.num_warmup_steps)
+    engine, evidence = train.engine("step 1 (SFT)", s, model, data.report)
 
-    tracker = Tracker.for_run(s.log, info.is_main)
-    tracker.write(f"step 1: {len(data.train)} samples, {total_steps} optimizer steps of global batch "
-                  f"{batch.global_batch} ({info.world_size} ranks × {batch.per_device_batch} × "
-                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}")
-    for note in plan.notes:  # defaults that adapted to a short run, said once
-        tracker.write(note)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
-                           extra_state={"data_accounting": evidence.accounting})
-    step, resumed, metrics = 0, ckpt.resume(), {}
-    if resumed:
-        step = resumed["step"]
-        evidence.cert.restore(resumed.get("certificate"))
-        tracker.resumed_at(step)
-        tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
-    elif data.evaluates:  # else the data layer said once that training proceeds without evaluation
-        metrics = evaluate(engine, data.eval, collate, s.batch, info)
-        tracker.log(metrics, step=0)
-        tracker.write(f"eval before training: loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-    tracker.bar(total_steps, "step 1 SFT", initial=step)
+    def evaluation(step: int) -> dict:
+        return evaluate(engine, data.eval, collate, s.batch, info)
+
+    run = Run(s, info, train.schedule("step 1 SFT"), train.loader,
+              Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
+              opening=f"step 1: {len(data.train)} samples, "
+                      f"{train.describe(info, s.zero.zero_stage, s.model.dtype_note)}",
+              evaluation=Evaluation(evaluation, describe_eval) if data.evaluates else None)
+    def figures(step_nll: float, n_global: float) -> dict:  # the step's, logged when due
+        return {"train/loss": dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0),
+                "train/lr": engine.lr_scheduler.get_last_lr()[0], "train/skipped_steps": run.skipped,
+                "train/tokens": n_global, "train/samples_per_s": run.per_second(batch.global_batch)}
 
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
-    t0, first_step = time.time(), step
     scale_base = info.world_size * batch.gradient_accumulation_steps
-    while step < total_steps:
-        it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
-        for _ in range(steps_per_epoch - step % steps_per_epoch):
-            micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
-            for m in micro:
-                evidence.accounting.record(step // steps_per_epoch, m)
-            n_local = sum(int((m["labels"][:, 1:] != IGNORE_INDEX).sum()) for m in micro)
-            n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
-            step_nll = 0.0
-            for i, m in enumerate(micro):
-                if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
-                    engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-                nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"], packed=m.get("packed"))
-                if step + 1 in s.ckpt.debug_nonfinite_steps:
-                    nll = nll * float("nan")
-                engine.backward(nll * (scale_base / max(n_global, 1.0)))
-                engine.step()
-                step_nll += nll.item()
-            step += 1
-            set_progress(optimizer_step=step)
-            tracker.advance()
-            if evidence.probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
-                evidence.check_loss_scale(engine.get_global_grad_norm(), [m["sample_index"].cpu() for m in micro],
-                                          one_batch_loss(data.train, collate))
-            state = {"epoch": step // steps_per_epoch, "certificate": evidence.cert.state()}
-            ckpt.after_step(step, state)
-            if step % s.log.log_interval == 0 or step == total_steps:
-                loss = dist.all_reduce_sum(torch.tensor(step_nll)).item() / max(n_global, 1.0)
-                tracker.log({"train/loss": loss, "train/lr": engine.lr_scheduler.get_last_lr()[0],
-                             "train/skipped_steps": ckpt.skipped,
-                             "train/tokens": n_global, "train/samples_per_s":
-                             (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
-            epoch_end = step % steps_per_epoch == 0
-            due = (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps
-            if due and data.evaluates:
-                metrics = evaluate(engine, data.eval, collate, s.batch, info)
-                tracker.log(metrics, step)
-                tracker.write(f"step {step}: eval loss {metrics['eval/loss']:.4f} ppl {metrics['eval/ppl']:.2f}")
-            ckpt.save_if_due(step, total_steps, state)
-            if step >= total_steps or ckpt.stop_here(step):
-                break
-        if ckpt.stop_here(step):
-            ckpt.note_stop(step, tracker)
-            return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s}
-    evidence.finish(step)
+    for step in run:
+        micro = train.micro_batches(step.samples())
+        for m in micro:
+            step.account(m)
+        n_local = sum(labelled_tokens(m["labels"]) for m in micro)
+        n_global = dist.all_reduce_sum(torch.tensor(float(n_local))).item()
+        step_nll = 0.0
+        for i, m in enumerate(micro):
+            if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
+                engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            nll, _ = sft_nll(engine, m["input_ids"], m["attention_mask"], m["labels"], packed=m.get("packed"))
+            nll = step.nonfinite(nll)
+            engine.backward(nll * (scale_base / max(n_global, 1.0)))
+            engine.step()
+            step_nll += nll.item()
+        if step.probing:  # the first optimizer step against the same batch as one micro-batch on one rank
+            step.probe([m["sample_index"].cpu() for m in micro], one_batch_loss(data.train, collate))
+        step.done(figures, step_nll, n_global)
 
-    if s.eos_check.eval_eos_samples and data.evaluates:  # the EOS check reads the eval split's prompts
-        rate = eos_rate(engine, eval_prompts(data.eval, s.eos_check.eval_eos_samples), tokenizer,
-                        s.eos_check.eval_max_new_tokens, s.zero.zero_stage, info)
-        metrics["eval/eos_rate"] = rate
-        tracker.log({"eval/eos_rate": rate}, step)
-        tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: {rate:.1%}")
-    if plan.cap_note:
-        tracker.write(plan.cap_note)
-    tracker.close()
-    save_hf_model(engine.module, tokenizer, s.log.output_dir)
-    if info.is_main:
-        write_run_marker(s.log.output_dir, {"step": 1, "steps": step, "metrics": metrics, "args": vars(args)})
-    return {"metrics": metrics, "engine": engine, "tokenizer": tokenizer, "settings": s, "certificate": evidence.cert}
+    def eos_check():  # the EOS check reads the eval split's prompts
+        if s.eos_check.eval_eos_samples and data.evaluates:
+            rate = eos_rate(engine, eval_prompts(data.eval, s.eos_check.eval_eos_samples), tokenizer,
+                            s.eos_check.eval_max_new_tokens, s.zero.zero_stage, info)
+            run.metrics["eval/eos_rate"] = rate
+            run.tracker.log({"eval/eos_rate": rate}, run.step)
+            run.tracker.write(f"greedy answers ending in EOS within {s.eos_check.eval_max_new_tokens} tokens: "
+                              f"{rate:.1%}")
+
+    run.finish(1, vars(args), before_save=eos_check)
+    return {"metrics": run.metrics, "engine": engine, "tokenizer": tokenizer, "settings": s,
+            "certificate": evidence.cert}
 
 
 if __name__ == "__main__":

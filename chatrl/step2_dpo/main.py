@@ -41,15 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import SupervisedEvidence, sequence_chunks
-from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
-from chatrl.data.collate import MicroBatches
 from chatrl.generation import eos_rate
-from chatrl.models import check_packing, load_tokenizer
-from chatrl.resilience import set_progress
-from chatrl.sizes import BatchSizes, plan_steps
+from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.step2_dpo.batch import (
     DPOCollator,
     IndexedPairs,
@@ -59,9 +54,7 @@ from chatrl.step2_dpo.batch import (
 )
 from chatrl.step2_dpo.loss import DPOConfig, preference_loss, reward_stats
 from chatrl.step2_dpo.reference import build_reference, reference_kind
-from chatrl.tracking import Tracker
 from chatrl.trainable import load_trainable
-from chatrl.weights import save_hf_model, save_snapshot_if_due
 
 log = logging.getLogger("chatrl.step2_dpo")
 
@@ -153,9 +146,47 @@ def describe(m: dict, prefix: str = "eval") -> str:
             f"rejected {m[f'{prefix}/logps/rejected']:.2f}")
 
 
+def describe_eval(m: dict) -> str:
+    """The eval line: :func:`describe`, and the EOS share when measured (before training)."""
+    eos = f", greedy answers ending in EOS {m['eval/eos_rate']:.1%}" if "eval/eos_rate" in m else ""
+    return describe(m) + eos
+
+
+def precompute_reference(reference, tracker, splits: tuple, collate, batch: config.BatchConfig, info) -> None:
+    """``--precompute_ref_log_probs``: the reference's log-probs of the training and eval pairs
+    (``splits``), computed once, then the reference model released."""
+    t_ref = time.time()
+    for split, pairs in zip(("train", "eval"), splits, strict=True):
+        reference.precompute(split, pairs, collate, batch.per_device_eval_batch_size, info.rank,
+                             info.world_size)
+    reference.release()
+    tracker.write(f"reference log-probs of {len(splits[0])} + {len(splits[1])} pairs precomputed in "
+                  f"{time.time() - t_ref:.1f} s; the reference model is released")
+
+
 def chosen_prompts(pairs, n: int) -> list:
     """The prompt ids of the first ``n`` pairs (for the EOS check)."""
     return [pairs[i]["chosen_input_ids"][: pairs[i]["prompt_len"]] for i in range(min(n, len(pairs)))]
+
+
+def eos_share(engine, tokenizer, s: DPOSettings, pairs, info) -> float:
+    """The share of greedy answers to the prompts of the first ``--eval_eos_samples`` ``pairs`` that
+    end their turn within ``--eval_max_new_tokens`` (:func:`chatrl.generation.eos_rate`; a collective)."""
+    eos = s.eos_check
+    return eos_rate(engine, chosen_prompts(pairs, eos.eval_eos_samples), tokenizer, eos.eval_max_new_tokens,
+                    s.zero.zero_stage, info)
+
+
+def eos_check(run, engine, tokenizer, s: DPOSettings, data, info) -> None:
+    """At the end, with ``--eval_eos_samples`` and an eval split: the share of greedy answers that end
+    their turn (:func:`eos_share`), logged and kept in the run's metrics beside the share before DPO."""
+    eos = s.eos_check
+    if eos.eval_eos_samples and data.evaluates:
+        rate = run.metrics["eval/eos_rate"] = eos_share(engine, tokenizer, s, data.eval, info)
+        run.tracker.log({"eval/eos_rate": rate}, run.step)
+        before = run.initial.get("eval/eos_rate")
+        run.tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
+                          + (f" (before DPO: {before:.1%})" if before is not None else ""))
 
 
 def one_batch_loss(dataset, collate, settings: DPOConfig):
@@ -185,6 +216,18 @@ def main(argv: list[str] | None = None) -> dict:
     return run(argv)["metrics"]
 
 
+def policy_and_reference(s: DPOSettings, tokenizer, train: SupervisedData, report, info) -> tuple:
+    """The policy's engine, the certificate's evidence (made before the engine wraps the policy) and
+    the reference (:func:`chatrl.step2_dpo.reference.build_reference`; when it is a copy, the policy's
+    weights as loaded, before LoRA). Returns ``(engine, evidence, reference)``."""
+    ref_kind = reference_kind(s.dpo, s.lora)
+    model, ref_model = load_trainable("causal_lm", tokenizer, s.model, s.lora,
+                                      keep_copy="base" if ref_kind == "copy" else None)
+    engine, evidence = train.engine("step 2 (DPO)", s, model, report)
+    reference = build_reference(ref_kind, s.zero, s.model.dtype, ref_model, engine, train.batch, info)
+    return engine, evidence, reference
+
+
 def run(argv: list[str] | None = None) -> dict:
     """Run DPO and return ``{"metrics", "engine", "reference", "tokenizer", "settings"}`` (for in-process checks)."""
     parser = build_parser()
@@ -193,146 +236,62 @@ def run(argv: list[str] | None = None) -> dict:
         s: DPOSettings = config.read(DPOSettings, args)
     except ValueError as err:
         parser.error(str(err))
-    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 2 (DPO)", s.log, s.optim.seed, s.ckpt)
-
-    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
+    info, tokenizer = program.start_training("step 2 (DPO)", s, context_window=False)
     # Phase-2 pairs; over-long prompts are cut from the left, identical pairs skipped and counted.
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
     train_pairs, eval_pairs = IndexedPairs(data.train), IndexedPairs(data.eval)
     collate = DPOCollator(tokenizer.pad_token_id, padding_side="right")  # eval and reference precompute batches
     # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
-    loader = dist.seeded_loader(train_pairs, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
-    micro_batches = MicroBatches(PackedDPOCollator(tokenizer.pad_token_id) if s.packing.packing else collate,
-                                 s.batch.per_device_train_batch_size, s.packing.max_tokens_per_micro_batch,
-                                 info.device, dist.all_reduce_max)
+    train = SupervisedData.of(s, info, train_pairs,
+                              PackedDPOCollator(tokenizer.pad_token_id) if s.packing.packing else collate,
+                              "pairs")
+    batch, eos = train.batch, s.eos_check
+    engine, evidence, reference = policy_and_reference(s, tokenizer, train, data.report, info)
 
-    batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
-    plan = plan_steps(len(loader), len(train_pairs), batch, s.optim.num_train_epochs, s.optim.max_steps,
-                      s.optim.num_warmup_steps, what="pairs")
-    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
-    ref_kind = reference_kind(s.dpo, s.lora)
-    # the frozen reference, when it is a copy: the policy's weights as loaded, before LoRA
-    model, ref_model = load_trainable("causal_lm", tokenizer, s.model, s.lora,
-                                      keep_copy="base" if ref_kind == "copy" else None)
-    evidence = SupervisedEvidence.start("step 2 (DPO)", model, s.model.dtype,
-                                        not s.certificate.disable_loss_scale_probe,
-                                        resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
-                                        loader, steps_per_epoch, batch.gradient_accumulation_steps, data.report)
-    engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
-                                 plan.num_warmup_steps)
-    reference = build_reference(ref_kind, s.zero, s.model.dtype, ref_model, engine, batch, info)
-    del ref_model
-
-    tracker = Tracker.for_run(s.log, info.is_main)
-    tracker.write(f"step 2 (DPO, {s.dpo.loss_type}, β {s.dpo.beta}, ε {s.dpo.label_smoothing}): "
-                  f"{len(train_pairs)} pairs, {total_steps} optimizer steps of global batch {batch.global_batch} "
-                  f"pairs ({info.world_size} ranks × {batch.per_device_batch} × {batch.gradient_accumulation_steps} "
-                  f"accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}, reference: {reference.kind}")
-    for note in plan.notes:  # defaults that adapted to a short run, said once
-        tracker.write(note)
-    if s.reference.precompute_ref_log_probs and reference.kind != "none":
-        t_ref = time.time()
-        for split, pairs in (("train", train_pairs), ("eval", eval_pairs)):
-            reference.precompute(split, pairs, collate, s.batch.per_device_eval_batch_size, info.rank,
-                                 info.world_size)
-        reference.release()
-        tracker.write(f"reference log-probs of {len(train_pairs)} + {len(eval_pairs)} pairs precomputed in "
-                      f"{time.time() - t_ref:.1f} s; the reference model is released")
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
-                           extra_state={"data_accounting": evidence.accounting})
-    eos = s.eos_check
-    step, resumed = 0, ckpt.resume()
-    if resumed:
-        step, initial = resumed["step"], resumed["initial_metrics"]
-        evidence.cert.restore(resumed.get("certificate"))
-        metrics = dict(initial)
-        tracker.resumed_at(step)
-        tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
-    elif data.evaluates:  # else the data layer said once that training proceeds without evaluation
+    def evaluation(step: int) -> dict:
         metrics = evaluate(engine, reference, s.dpo, eval_pairs, collate, s.batch, info)
-        if eos.eval_eos_samples:  # the same prompts as the check at the end: the share before vs after DPO
-            metrics["eval/eos_rate"] = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer,
-                                                eos.eval_max_new_tokens, s.zero.zero_stage, info)
-        initial = dict(metrics)
-        tracker.log(metrics, step=0)
-        tracker.write(f"eval before training: {describe(metrics)}"
-                      + (f", greedy answers ending in EOS {metrics['eval/eos_rate']:.1%}" if eos.eval_eos_samples
-                         else ""))
-    else:
-        metrics, initial = {}, {}
-    tracker.bar(total_steps, "step 2 DPO", initial=step)
+        if step == 0 and eos.eval_eos_samples:  # the prompts of the check at the end: before vs after
+            metrics["eval/eos_rate"] = eos_share(engine, tokenizer, s, data.eval, info)
+        return metrics
 
+    def figures(stats: torch.Tensor) -> dict:  # the step's, logged when due
+        return {**metrics_from(dist.all_reduce_sum(stats), "train"),
+                "train/lr": engine.lr_scheduler.get_last_lr()[0], "train/skipped_steps": run.skipped,
+                "train/pairs_per_s": run.per_second(batch.global_batch)}
+
+    run = Run(s, info, train.schedule("step 2 DPO"), train.loader,
+              Saved({"model": engine}, batch.layout(), hf_model=(engine.module, tokenizer)), evidence,
+              opening=f"step 2 (DPO, {s.dpo.loss_type}, β {s.dpo.beta}, ε {s.dpo.label_smoothing}): "
+                      f"{len(train_pairs)} pairs, {train.describe(info, s.zero.zero_stage, s.model.dtype_note)},"
+                      f" reference: {reference.kind}",
+              evaluation=Evaluation(evaluation, describe_eval) if data.evaluates else None)
+    if s.reference.precompute_ref_log_probs and reference.kind != "none":
+        precompute_reference(reference, run.tracker, (train_pairs, eval_pairs), collate, s.batch, info)
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
-    t0, first_step = time.time(), step
     scale_base = info.world_size * batch.gradient_accumulation_steps
-    while step < total_steps:
-        it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
-        for _ in range(steps_per_epoch - step % steps_per_epoch):
-            stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-            micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
-            n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
-            probe_items = []
-            for i, m in enumerate(micro):
-                evidence.accounting.record(step // steps_per_epoch, m)
-                if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
-                    engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-                if evidence.probe.active:  # the reference log-probs of the probe's one micro-batch (constants)
-                    ref = reference.logps(m, "train")
-                    probe_items.append((m["sample_index"], None if ref is None else tuple(r.cpu() for r in ref)))
-                losses, chosen_r, rejected_r, lc, lr = pair_forward(engine, m, reference, s.dpo, info.device)
-                loss = losses.sum() * (scale_base / max(n_global, 1.0))
-                if step + 1 in s.ckpt.debug_nonfinite_steps:
-                    loss = loss * float("nan")
-                engine.backward(loss)
-                engine.step()
-                stats += stats_row(losses, chosen_r, rejected_r, lc, lr)
-            step += 1
-            set_progress(optimizer_step=step)
-            tracker.advance()
-            if evidence.probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
-                evidence.check_loss_scale(engine.get_global_grad_norm(), probe_items,
-                                          one_batch_loss(train_pairs, collate, s.dpo))
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": evidence.cert.state()}
-            ckpt.after_step(step, state)
-            if step % s.log.log_interval == 0 or step == total_steps:
-                tracker.log({**metrics_from(dist.all_reduce_sum(stats), "train"),
-                             "train/lr": engine.lr_scheduler.get_last_lr()[0], "train/skipped_steps": ckpt.skipped,
-                             "train/pairs_per_s": (step - first_step) * batch.global_batch / (time.time() - t0)},
-                            step)
-            epoch_end = step % steps_per_epoch == 0
-            due = (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps
-            if due and data.evaluates:
-                metrics = evaluate(engine, reference, s.dpo, eval_pairs, collate, s.batch, info)
-                tracker.log(metrics, step)
-                tracker.write(f"step {step}: eval {describe(metrics)}")
-            ckpt.save_if_due(step, total_steps, state)
-            save_snapshot_if_due(s.snapshots.save_hf_interval, step, total_steps, engine.module, tokenizer,
-                                 s.log.output_dir)  # the policy as an HF folder, for python -m chatrl.eval
-            if step >= total_steps or ckpt.stop_here(step):
-                break
-        if ckpt.stop_here(step):
-            ckpt.note_stop(step, tracker)
-            return {"metrics": metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer,
-                    "settings": s}
-    evidence.finish(step)
+    for step in run:
+        stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        micro = train.micro_batches(step.samples())
+        n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
+        probe_items = []
+        for i, m in enumerate(micro):
+            step.account(m)
+            if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
+                engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            if step.probing:  # the reference log-probs of the probe's one micro-batch (constants)
+                ref = reference.logps(m, "train")
+                probe_items.append((m["sample_index"], None if ref is None else tuple(r.cpu() for r in ref)))
+            losses, chosen_r, rejected_r, lc, lr = pair_forward(engine, m, reference, s.dpo, info.device)
+            engine.backward(step.nonfinite(losses.sum() * (scale_base / max(n_global, 1.0))))
+            engine.step()
+            stats += stats_row(losses, chosen_r, rejected_r, lc, lr)
+        if step.probing:  # the first optimizer step against the same batch as one micro-batch on one rank
+            step.probe(probe_items, one_batch_loss(train_pairs, collate, s.dpo))
+        step.done(figures, stats)
 
-    if eos.eval_eos_samples and data.evaluates:  # the EOS check reads the eval split's prompts
-        rate = eos_rate(engine, chosen_prompts(data.eval, eos.eval_eos_samples), tokenizer, eos.eval_max_new_tokens,
-                        s.zero.zero_stage, info)
-        metrics["eval/eos_rate"] = rate
-        tracker.log({"eval/eos_rate": rate}, step)
-        before = initial.get("eval/eos_rate")
-        tracker.write(f"greedy answers ending in EOS within {eos.eval_max_new_tokens} tokens: {rate:.1%}"
-                      + (f" (before DPO: {before:.1%})" if before is not None else ""))
-    if plan.cap_note:
-        tracker.write(plan.cap_note)
-    tracker.close()
-    save_hf_model(engine.module, tokenizer, s.log.output_dir)
-    if info.is_main:
-        write_run_marker(s.log.output_dir, {"step": "2-dpo", "steps": step, "metrics": metrics,
-                                            "initial_metrics": initial, "args": vars(args)})
-    return {"metrics": metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer, "settings": s}
+    run.finish("2-dpo", vars(args), before_save=lambda: eos_check(run, engine, tokenizer, s, data, info))
+    return {"metrics": run.metrics, "engine": engine, "reference": reference, "tokenizer": tokenizer,
+            "settings": s}
 
 
 if __name__ == "__main__":

@@ -34,22 +34,16 @@ Run ``python -m chatrl.step2_reward --help`` for the flags.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.certificate import SupervisedEvidence, sequence_chunks
-from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
-from chatrl.data.collate import MicroBatches, PackedPairCollator
-from chatrl.models import check_context_window, check_packing, load_tokenizer
-from chatrl.resilience import set_progress
+from chatrl.data.collate import PackedPairCollator
 from chatrl.reward_model import pair_stats, pairwise_losses, save_reward_model
-from chatrl.sizes import BatchSizes, plan_steps
-from chatrl.tracking import Tracker
+from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step2")
@@ -144,117 +138,58 @@ def run(argv: list[str] | None = None) -> dict:
     process group is shut down)."""
     args = cli.parse(build_parser(), argv)
     s: Step2Settings = config.read(Step2Settings, args)
-    check_context_window(s.model.model_name_or_path, {"--max_seq_len": s.data.max_seq_len}, s.model.trust_remote_code)
-    check_packing(s.packing, s.model.model_name_or_path, s.model.trust_remote_code)
-    info = program.start("step 2 (reward model)", s.log, s.optim.seed, s.ckpt)
+    info, tokenizer = program.start_training("step 2 (reward model)", s)
     if s.step2.num_padding_at_beginning is not None and info.is_main:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
 
-    tokenizer = load_tokenizer(s.model.model_name_or_path, trust_remote_code=s.model.trust_remote_code)
     # Over-long prompts are cut from the left to fit max_seq_len; identical pairs are skipped and counted.
     data = phase_data(2, s.data, tokenizer, s.optim.seed)
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")  # eval batches
     # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
-    loader = dist.seeded_loader(data.train, s.batch.per_device_train_batch_size, list, info, s.optim.seed)
-    micro_batches = MicroBatches(PackedPairCollator(tokenizer.pad_token_id) if s.packing.packing else collate,
-                                 s.batch.per_device_train_batch_size, s.packing.max_tokens_per_micro_batch,
-                                 info.device, dist.all_reduce_max)
-
-    batch = BatchSizes(s.batch.per_device_train_batch_size, s.optim.gradient_accumulation_steps, info.world_size)
-    plan = plan_steps(len(loader), len(data.train), batch, s.optim.num_train_epochs, s.optim.max_steps,
-                      s.optim.num_warmup_steps, what="pairs")
-    steps_per_epoch, total_steps = plan.steps_per_epoch, plan.total_steps
+    train = SupervisedData.of(s, info, data.train,
+                              PackedPairCollator(tokenizer.pad_token_id) if s.packing.packing else collate, "pairs")
+    batch = train.batch
     model = load_trainable("reward", tokenizer, s.model, s.lora, require_head=False).model
-    evidence = SupervisedEvidence.start("step 2 (reward model)", model, s.model.dtype,
-                                        not s.certificate.disable_loss_scale_probe,
-                                        resume_path(s.ckpt, s.log.output_dir) is not None, s.log.output_dir,
-                                        loader, steps_per_epoch, batch.gradient_accumulation_steps, data.report)
-    engine = dist.trained_engine(model, s.optim, s.lora, s.zero, s.model.dtype, batch, total_steps,
-                                 plan.num_warmup_steps)
+    engine, evidence = train.engine("step 2 (reward model)", s, model, data.report)
 
-    tracker = Tracker.for_run(s.log, info.is_main)
-    tracker.write(f"step 2: {len(data.train)} pairs, {total_steps} optimizer steps of global batch "
-                  f"{batch.global_batch} pairs ({info.world_size} ranks × {batch.per_device_batch} × "
-                  f"{batch.gradient_accumulation_steps} accumulation), ZeRO-{s.zero.zero_stage}, {s.model.dtype_note}")
-    for note in plan.notes:  # defaults that adapted to a short run, said once
-        tracker.write(note)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, {"model": engine}, batch.layout(),
-                           extra_state={"data_accounting": evidence.accounting})
-    step, resumed = 0, ckpt.resume()
-    if resumed:
-        step, initial = resumed["step"], resumed["initial_metrics"]
-        evidence.cert.restore(resumed.get("certificate"))
-        metrics = dict(initial)
-        tracker.resumed_at(step)
-        tracker.write(f"resumed from {resumed['path']} at optimizer step {step}")
-    elif data.evaluates:  # else the data layer said once that training proceeds without evaluation
-        metrics = evaluate(engine, data.eval, collate, s.batch, info)
-        initial = dict(metrics)
-        tracker.log(metrics, step=0)
-        tracker.write(f"eval before training: {describe_eval(metrics)}")
-    else:
-        metrics, initial = {}, {}
-    tracker.bar(total_steps, "step 2 reward model", initial=step)
+    def evaluation(step: int) -> dict:
+        return evaluate(engine, data.eval, collate, s.batch, info)
 
+    def figures(stats: torch.Tensor) -> dict:  # the step's, logged when due
+        loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
+        return {"train/loss": loss_sum / pairs, "train/accuracy": correct / pairs,
+                "train/lr": engine.lr_scheduler.get_last_lr()[0], "train/skipped_steps": run.skipped,
+                "train/pairs_per_s": run.per_second(batch.global_batch)}
+
+    run = Run(s, info, train.schedule("step 2 reward model"), train.loader,
+              Saved({"model": engine}, batch.layout()), evidence, opening=f"step 2: {len(data.train)} pairs, "
+                                f"{train.describe(info, s.zero.zero_stage, s.model.dtype_note)}",
+              evaluation=Evaluation(evaluation, describe_eval) if data.evaluates else None)
     engine.train()  # from_pretrained returns eval mode; dropout must be on whether or not we evaluated first
-    t0, first_step = time.time(), step
     scale_base = info.world_size * batch.gradient_accumulation_steps
-    while step < total_steps:
-        it = batches_from(loader, step, steps_per_epoch, batch.gradient_accumulation_steps)
-        for _ in range(steps_per_epoch - step % steps_per_epoch):
-            stats = torch.zeros(3, dtype=torch.float64)  # loss summed over pairs, correct, pairs
-            micro = micro_batches([x for _ in range(batch.gradient_accumulation_steps) for x in next(it)])
-            n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
-            for i, m in enumerate(micro):
-                evidence.accounting.record(step // steps_per_epoch, m)
-                if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
-                    engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-                _, scores = engine(m["input_ids"], m["attention_mask"], packed=m.get("packed"))
-                chosen, rejected = split_pairs(scores)
-                losses = pairwise_losses(chosen, rejected, m.get("margin"))
-                loss = losses.sum() * (scale_base / max(n_global, 1.0))  # DeepSpeed divides by scale_base
-                if step + 1 in s.ckpt.debug_nonfinite_steps:
-                    loss = loss * float("nan")
-                engine.backward(loss)
-                engine.step()
-                stats += torch.tensor([losses.sum().item(), (chosen > rejected).sum().item(), chosen.numel()],
-                                      dtype=torch.float64)
-            step += 1
-            set_progress(optimizer_step=step)
-            tracker.advance()
-            if evidence.probe.active:  # the first optimizer step against the same batch as one micro-batch on one rank
-                evidence.check_loss_scale(engine.get_global_grad_norm(), [m["sample_index"] for m in micro],
-                                          one_batch_loss(data.train, collate))
-            state = {"epoch": step // steps_per_epoch, "initial_metrics": initial, "certificate": evidence.cert.state()}
-            ckpt.after_step(step, state)
-            if step % s.log.log_interval == 0 or step == total_steps:
-                loss_sum, correct, pairs = dist.all_reduce_sum(stats).tolist()
-                tracker.log({"train/loss": loss_sum / pairs,
-                             "train/accuracy": correct / pairs, "train/lr": engine.lr_scheduler.get_last_lr()[0],
-                             "train/skipped_steps": ckpt.skipped, "train/pairs_per_s":
-                             (step - first_step) * batch.global_batch / (time.time() - t0)}, step)
-            epoch_end = step % steps_per_epoch == 0
-            due = (s.log.eval_interval and step % s.log.eval_interval == 0) or epoch_end or step == total_steps
-            if due and data.evaluates:
-                metrics = evaluate(engine, data.eval, collate, s.batch, info)
-                tracker.log(metrics, step)
-                tracker.write(f"step {step}: eval {describe_eval(metrics)}")
-            ckpt.save_if_due(step, total_steps, state)
-            if step >= total_steps or ckpt.stop_here(step):
-                break
-        if ckpt.stop_here(step):
-            ckpt.note_stop(step, tracker)
-            return {"metrics": metrics, "engine": engine}
-    evidence.finish(step)
+    for step in run:
+        stats = torch.zeros(3, dtype=torch.float64)  # loss summed over pairs, correct, pairs
+        micro = train.micro_batches(step.samples())
+        n_global = dist.all_reduce_sum(torch.tensor(float(sum(len(m["sample_index"]) for m in micro)))).item()
+        for i, m in enumerate(micro):
+            step.account(m)
+            if s.packing.max_tokens_per_micro_batch:  # their number varies: the last one ends the step
+                engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            _, scores = engine(m["input_ids"], m["attention_mask"], packed=m.get("packed"))
+            chosen, rejected = split_pairs(scores)
+            losses = pairwise_losses(chosen, rejected, m.get("margin"))
+            # DeepSpeed divides by scale_base
+            loss = step.nonfinite(losses.sum() * (scale_base / max(n_global, 1.0)))
+            engine.backward(loss)
+            engine.step()
+            stats += torch.tensor([losses.sum().item(), (chosen > rejected).sum().item(), chosen.numel()],
+                                  dtype=torch.float64)
+        if step.probing:  # the first optimizer step against the same batch as one micro-batch on one rank
+            step.probe([m["sample_index"] for m in micro], one_batch_loss(data.train, collate))
+        step.done(figures, stats)
 
-    if plan.cap_note:
-        tracker.write(plan.cap_note)
-    tracker.close()
-    save_reward_model(engine.module, tokenizer, s.log.output_dir)
-    if info.is_main:
-        write_run_marker(s.log.output_dir, {"step": 2, "steps": step, "metrics": metrics,
-                                            "initial_metrics": initial, "args": vars(args)})
-    return {"metrics": metrics, "engine": engine}
+    run.finish(2, vars(args), save=lambda: save_reward_model(engine.module, tokenizer, s.log.output_dir))
+    return {"metrics": run.metrics, "engine": engine}
 
 
 if __name__ == "__main__":

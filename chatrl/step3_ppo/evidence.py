@@ -1,7 +1,7 @@
 """What step 3 shows of itself: its certificate (``certificate.json``) and its rollout records.
 
-:class:`Step3Evidence` is called by the loop (:func:`chatrl.step3_ppo.main.train`) at a few
-points and keeps, across the run and its resumes:
+:class:`Step3Evidence` observes the run (:class:`chatrl.run.Run`: before and after each
+step, at the start and the end) and keeps, across the run and its resumes:
 
 * the largest sampler/trainer log-prob gap (property 1, :func:`chatrl.certificate.agreement_property`);
 * the trainer's weight-version check (property 2, :class:`chatrl.weight_version.WeightVersionCheck`);
@@ -21,6 +21,7 @@ from chatrl import dist
 from chatrl.certificate import (
     Certificate,
     DataAccounting,
+    RunObserver,
     agreement_property,
     merge_loss_scale,
     pipeline_skips,
@@ -29,8 +30,9 @@ from chatrl.certificate import (
 from chatrl.rollout_records import write_step
 
 
-class Step3Evidence:
-    """Step 3's certificate and rollout records (module docstring).
+class Step3Evidence(RunObserver):
+    """Step 3's certificate and rollout records (module docstring), an observer of the run
+    (:class:`chatrl.run.Run`); it reads the trainer only through its public methods.
 
     Args:
         settings: the run's :class:`chatrl.step3_ppo.settings.Step3Settings`.
@@ -41,7 +43,8 @@ class Step3Evidence:
     """
 
     def __init__(self, settings, args, info, plan, trainer, probes: dict, loader, report):
-        self.s, self.args, self.info, self.plan, self.trainer, self.probes = settings, args, info, plan, trainer, probes
+        self.s, self.args, self.info, self.plan = settings, args, info, plan
+        self.trainer, self.probes = trainer, probes
         self.cert = Certificate(settings.log.output_dir, f"step 3 ({settings.algorithm.name})")
         self.accounting = DataAccounting(loader, plan.buffers_per_epoch, settings.rollout.generation_batches,
                                          pipeline_skips(report))
@@ -52,27 +55,20 @@ class Step3Evidence:
     # ------------------------------------------------------------------ resume
     def state(self) -> dict:
         """What a checkpoint keeps (JSON): the properties so far, the largest gap, the weight checks."""
-        w = self.trainer.weight_check
         return {"properties": self.cert.state(), "logp_diff_max": self.logp_diff_max, "steps": self.steps,
-                "weights": {"rollouts": w.rollouts, "max_gap": w.max_gap, "max_bound": w.max_bound,
-                            "versions": w.versions}}
+                "weights": self.trainer.weight_versions().state_dict()}
 
-    def restore(self, state: dict | None) -> None:
-        """Continue from a checkpoint's :meth:`state` (the data counts come back through
-        ``LoopCheckpoints(extra_state=...)``)."""
+    def started(self, resumed: dict | None) -> None:
+        """Continue from a checkpoint's :meth:`state` (the data counts come back through the run's
+        checkpoints)."""
+        state = (resumed or {}).get("certificate")
         if not state:
             return
         self.cert.restore(state.get("properties"))
         self.logp_diff_max, self.steps = state.get("logp_diff_max"), int(state.get("steps", 0))
-        w, saved = self.trainer.weight_check, state.get("weights") or {}
-        w.rollouts, w.max_gap = int(saved.get("rollouts", 0)), float(saved.get("max_gap", 0.0))
-        w.max_bound, w.versions = float(saved.get("max_bound", 0.0)), list(saved.get("versions", []))
+        self.trainer.weight_versions().load_state_dict(state.get("weights") or {})
 
     # ------------------------------------------------------------------ the loop
-    def record_prompts(self, step: int, batch: dict) -> None:
-        """Count a prompt batch of training step ``step + 1`` (``step`` steps done) as fed to the loss."""
-        self.accounting.record(step // self.plan.buffers_per_epoch, batch)
-
     def probing(self) -> bool:
         """Whether a loss-scale probe is still to run (at the run's first step)."""
         return any(p.active for p in self.probes.values())
@@ -81,43 +77,49 @@ class Step3Evidence:
         """Whether training step ``step`` (1-based) is recorded (``--save_rollouts``)."""
         return bool(self.every) and step % self.every == 0
 
-    def before_learn(self, step: int) -> None:
-        """Ask the trainer for its per-token trace when step ``step`` (1-based) is probed or recorded."""
-        self.trainer.trace = {} if (self.probing() or self.recording(step)) else None
+    def before_step(self, step) -> None:
+        """Ask the trainer for its per-token trace when ``step`` is probed or recorded."""
+        self.trainer.trace_learning(self.probing() or self.recording(step.number))
 
-    def after_learn(self, exp) -> None:
+    def probe(self, exp) -> None:
         """The loss-scale probes, at the first step (a collective when they run)."""
         if not self.probing():
             return
         t, props = self.trainer, []
-        rows = exp.rows(slice(0, t.gas * t.mb)).to("cpu")  # this rank's rows of the first actor optimizer step
+        rows = t.first_optimizer_step_rows(exp)  # this rank's rows of the first actor optimizer step
+        trace = t.learning_trace() or {}
         for name, probe in self.probes.items():
-            split = t.mode if name == "actor" else t.critic_mode
-            if split == "micro-batch-token-mean":
-                props.append(probe.skip("--loss_agg_mode micro-batch-token-mean depends on the split by design"))
+            if t.loss_aggregation(name) == "micro-batch-token-mean":
+                props.append(probe.skip("--loss_agg_mode micro-batch-token-mean depends on the split by "
+                                        "design"))
                 continue
-            norms = t.trace.get(f"{name}_grad_norm") or [None]
+            norms = trace.get(f"{name}_grad_norm") or [None]
             loss = t.one_batch_actor_loss if name == "actor" else t.one_batch_critic_loss
             props.append(probe.check(norms[0], rows, loss, train_mode=False))
         self.cert.add(merge_loss_scale(props))
 
-    def after_step(self, step: int, exp, metrics: dict) -> None:
-        """Record step ``step``'s agreement figure and, when due, its rollouts (every rank writes its own)."""
+    def after_step(self, step) -> None:
+        """The loss-scale probes at the first step; the step's agreement figure and, when due, its
+        rollouts (``step.result``: the experience; every rank writes its own)."""
+        exp, metrics, n = step.result, step.figures, step.number
+        self.probe(exp)
         gap = metrics.get("rollout/logp_diff_max")
         if gap is not None and math.isfinite(gap):
             self.logp_diff_max = gap if self.logp_diff_max is None else max(self.logp_diff_max, gap)
-        self.steps = step
-        trace, self.trainer.trace = self.trainer.trace, None
-        if not self.recording(step):
+        self.steps = n
+        trace = self.trainer.learning_trace()
+        self.trainer.trace_learning(False)
+        if not self.recording(n):
             return
         figures = {"actor_loss": metrics.get("actor_loss"), "critic_loss": metrics.get("critic_loss"),
                    "actor_grad_norm": (trace or {}).get("actor_grad_norm", []),
                    "critic_grad_norm": (trace or {}).get("critic_grad_norm", []),
                    "kl_coef": metrics.get("kl_coef"), "metrics": metrics}
         index = {"args": vars(self.args), "tokenizer": self.s.actor.model_name_or_path,
-                 "algorithm": self.s.algorithm.name, "dtype": self.s.actor.dtype, "ppo_epochs": self.s.ppo.ppo_epochs,
-                 "checkpoint": f"step_{step - 1}" if step > 1 else None, "figures": figures}
-        write_step(self.s.log.output_dir, step, self.info.rank, self.info.world_size, exp, trace,
+                 "algorithm": self.s.algorithm.name, "dtype": self.s.actor.dtype,
+                 "ppo_epochs": self.s.ppo.ppo_epochs,
+                 "checkpoint": f"step_{n - 1}" if n > 1 else None, "figures": figures}
+        write_step(self.s.log.output_dir, n, self.info.rank, self.info.world_size, exp, trace,
                    index if self.info.is_main else None, barrier=dist.barrier)
 
     def needs_checkpoint(self, step: int, total: int) -> bool:
@@ -125,11 +127,11 @@ class Step3Evidence:
         (the replay starts from it)."""
         return step < total and self.recording(step + 1)
 
-    def finish(self) -> Certificate:
-        """Every property at the end of the run; writes ``certificate.json`` (a collective)."""
-        self.cert.add(agreement_property(self.logp_diff_max, self.s.actor.dtype, self.s.certificate.logp_diff_bound,
-                                         self.steps))
-        self.cert.add(weight_version_property(self.trainer.weight_check))
+    def finish(self, steps: int) -> Certificate:
+        """Every property after ``steps`` training steps; writes ``certificate.json`` (a collective)."""
+        self.cert.add(agreement_property(self.logp_diff_max, self.s.actor.dtype,
+                                         self.s.certificate.logp_diff_bound, self.steps))
+        self.cert.add(weight_version_property(self.trainer.weight_versions()))
         self.cert.add(self.accounting.finish(self.steps))
         if "loss_scale" not in self.cert.properties:
             self.cert.add(merge_loss_scale([p.property_unchecked() for p in self.probes.values()]))
@@ -139,7 +141,7 @@ class Step3Evidence:
     def failed(self) -> None:
         """After a weight-version failure (raised on every rank): write the certificate as it stands
         (rank 0, no collective) before the error ends the run."""
-        self.cert.add(weight_version_property(self.trainer.weight_check))
+        self.cert.add(weight_version_property(self.trainer.weight_versions()))
         if self.logp_diff_max is not None:
             self.cert.add(agreement_property(self.logp_diff_max, self.s.actor.dtype,
                                              self.s.certificate.logp_diff_bound, self.steps))

@@ -21,13 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import cli, config, dist, program
-from chatrl.checkpoint import (
-    Cycle,
-    LoopCheckpoints,
-    batches_from,
-    resume_path,
-    write_run_marker,
-)
+from chatrl.checkpoint import Cycle, resume_path
 from chatrl.data import PromptCollator, SFTCollator, phase_data
 from chatrl.data.template_check import DEFAULT_CONVERSATIONS, check_startup, startup_conversations
 from chatrl.envs import load_environment
@@ -42,12 +36,13 @@ from chatrl.models import (
     torch_dtype,
 )
 from chatrl.packing import pack
-from chatrl.resilience import nonfinite_scores, set_progress
+from chatrl.resilience import nonfinite_scores
 from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, WeightedReward, build_reward, check_reward_metadata
 from chatrl.rl import core
 from chatrl.rl.loss import check_rollout_is
 from chatrl.rl.stats import PooledStats
+from chatrl.run import Run, Saved, Schedule
 from chatrl.sizes import PPOPlan, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
 from chatrl.step3_ppo.evidence import Step3Evidence
@@ -55,7 +50,7 @@ from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
 from chatrl.tracking import Tracker, Trend
 from chatrl.weight_version import WeightVersionError
-from chatrl.weights import save_hf_model, save_snapshot_if_due
+from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step3")
 
@@ -152,9 +147,14 @@ class Step3Run:
     hybrid: HybridEngine
     kl_ctl: object
     trainer: Trainer
-    tracker: Tracker
-    ckpt: LoopCheckpoints
     evidence: Step3Evidence  # the certificate and the rollout records
+    run: Run | None = None  # the lifecycle: resume, cadence, checkpoints, stop, final save
+    samples: int = 0  # rollouts so far
+
+    @property
+    def tracker(self) -> Tracker:
+        """The run's tracker (metrics, console)."""
+        return self.run.tracker
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -251,47 +251,44 @@ def build(args, score_fn=None) -> Step3Run:
                       temperature=s.sampling.temperature, top_k=s.sampling.top_k, top_p=s.sampling.top_p,
                       packing=s.packing, env=make_env, episodes=episodes,
                       max_prompt_len=rollout.max_prompt_seq_len, weights=hybrid)
-    tracker = Tracker.for_run(s.log, info.is_main)
     critic_desc = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{s.critic_zero.zero_stage}"
                    if engines.critic is not None else "no critic")
-    tracker.write(f"step 3 ({algorithm.name}): {len(data.train)} prompts, {plan.total_buffers} experience buffers "
-                  f"of {rollout.generation_batches}×{rollout.per_device_generation_batch_size} prompts × "
-                  f"{s.ppo.samples_per_prompt} answers per rank × {info.world_size} ranks, {s.ppo.ppo_epochs} "
-                  f"epoch(s), {plan.actor_steps} actor optimizer steps, {critic_desc}; actor "
-                  f"ZeRO-{s.actor_zero.zero_stage}, hybrid engine {'on' if s.hybrid.enable_hybrid_engine else 'off'}; "
-                  f"{s.actor.dtype_note}{', fp32 LM head' if s.actor.fp32_lm_head else ''}; "
-                  f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
-                  + (f" (reward model {reward_path})" if reward_path else "")
-                  + (f"; episodes of --env {s.env.env}: up to {episodes.max_turns} assistant turns, "
-                     f"{episodes.max_total_tokens} tokens" if episodes else ""))
-    for note in plan.notes:  # defaults that adapted to a short run, said once
-        tracker.write(note)
+    opening = (f"step 3 ({algorithm.name}): {len(data.train)} prompts, {plan.total_buffers} experience buffers "
+               f"of {rollout.generation_batches}×{rollout.per_device_generation_batch_size} prompts × "
+               f"{s.ppo.samples_per_prompt} answers per rank × {info.world_size} ranks, {s.ppo.ppo_epochs} "
+               f"epoch(s), {plan.actor_steps} actor optimizer steps, {critic_desc}; actor "
+               f"ZeRO-{s.actor_zero.zero_stage}, hybrid engine {'on' if s.hybrid.enable_hybrid_engine else 'off'}; "
+               f"{s.actor.dtype_note}{', fp32 LM head' if s.actor.fp32_lm_head else ''}; "
+               f"reward: {' + '.join(name for _, name, _ in reward.parts)}"
+               + (f" (reward model {reward_path})" if reward_path else "")
+               + (f"; episodes of --env {s.env.env}: up to {episodes.max_turns} assistant turns, "
+                  f"{episodes.max_total_tokens} tokens" if episodes else ""))
     trained = {"actor": engines.actor, **({"critic": engines.critic} if engines.critic is not None else {})}
     evidence = Step3Evidence(s, args, info, plan, trainer, engines.probes, loader, data.report)
-    ckpt = LoopCheckpoints(s.ckpt, s.log.output_dir, trained, plan.layout,
-                           {"actor_ema": engines.ema.module} if engines.ema is not None else None,
-                           extra_state={"data_accounting": evidence.accounting},
-                           spare=lambda step: evidence.recording(step + 1))  # the start of a recorded step
-    return Step3Run(s, args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, tracker, ckpt,
-                    evidence)
+    step3 = Step3Run(s, args, info, tokenizer, plan, loader, ptx_iter, engines, hybrid, kl_ctl, trainer, evidence)
+    schedule = Schedule(plan.total_buffers, plan.buffers_per_epoch, rollout.generation_batches,
+                        f"step 3 {algorithm.name}", tuple(plan.notes), plan.cap_note, unit="step")
+    saved = Saved(trained, plan.layout, {"actor_ema": engines.ema.module} if engines.ema is not None else None,
+                  hf_model=(engines.actor.module, tokenizer))
+    step3.run = Run(s, info, schedule, loader, saved, evidence, opening=opening, state=lambda: {
+        "kl_ctl": kl_ctl.state_dict(), "samples": step3.samples,
+        "ptx_batches": ptx_iter.consumed if ptx_iter is not None else 0})
+    return step3
 
 
 def restore(run: Step3Run) -> tuple[int, int, dict | None]:
-    """Load the checkpoint ``--resume`` / ``--resume_from_checkpoint`` name into ``run`` (weights,
-    optimizers, RNG, KL controller, PTX position, data counts, certificate so far); returns
-    ``(step, rollouts so far, the checkpoint's state or None)``."""
-    resumed = run.ckpt.resume()
+    """Start ``run``: load the checkpoint ``--resume`` / ``--resume_from_checkpoint`` name (weights,
+    optimizers, RNG, data counts, certificate so far: :meth:`chatrl.run.Run.start`; then the KL
+    controller and the PTX position); returns ``(step, rollouts so far, the checkpoint's state or None)``."""
+    resumed = run.run.start()
     if not resumed:
         return 0, 0, None
-    step, samples = resumed["step"], resumed["samples"]
+    run.samples = resumed["samples"]
     run.kl_ctl.load_state_dict(resumed["kl_ctl"])
     if run.ptx_iter is not None:
         run.ptx_iter.skip(resumed["ptx_batches"])
-    run.evidence.restore(resumed.get("certificate"))
-    run.tracker.resumed_at(step)
-    run.tracker.write(f"resumed from {resumed['path']} at step {step} ({samples} rollouts so far, "
-                      f"KL coefficient {run.kl_ctl.value:.4g})")
-    return step, samples, resumed
+    run.tracker.write(f"{run.samples} rollouts so far, KL coefficient {run.kl_ctl.value:.4g}")
+    return resumed["step"], run.samples, resumed
 
 
 def learn_from(run: Step3Run, rollouts: list, stats: PooledStats) -> tuple[object, dict]:
@@ -325,93 +322,70 @@ def train(run: Step3Run) -> dict:
         raise
 
 
-def _train(run: Step3Run) -> dict:
-    s, info, plan, trainer, tracker, ckpt = run.settings, run.info, run.plan, run.trainer, run.tracker, run.ckpt
-    engines, hybrid, kl_ctl, ptx_iter, tokenizer = run.engines, run.hybrid, run.kl_ctl, run.ptx_iter, run.tokenizer
-    evidence = run.evidence
-    step, samples = 0, 0
-    # --debug_nonfinite_steps (a testing hook) makes the reward NaN at those steps
-    trainer.reward = nonfinite_scores(trainer.reward, s.ckpt.debug_nonfinite_steps, lambda: step + 1)
-    steps_per_epoch, total_buffers = plan.buffers_per_epoch, plan.total_buffers
+def _train(step3: Step3Run) -> dict:
+    s, info, plan, trainer, run = step3.settings, step3.info, step3.plan, step3.trainer, step3.run
+    engines, kl_ctl, tokenizer = step3.engines, step3.kl_ctl, step3.tokenizer
+    if s.ckpt.debug_nonfinite_steps:  # a testing hook: the reward is NaN at those steps
+        trainer.reward = nonfinite_scores(trainer.reward, run.nonfinite)
+    restore(step3)
+    t_start, trend, total = time.time(), Trend(), plan.total_buffers
 
-    def state() -> dict:
-        return {"epoch": step // steps_per_epoch, "kl_ctl": kl_ctl.state_dict(), "samples": samples,
-                "ptx_batches": ptx_iter.consumed if ptx_iter is not None else 0, "certificate": evidence.state()}
-
-    step, samples, _ = restore(run)
-    tracker.bar(total_buffers, f"step 3 {s.algorithm.name}", initial=step)
-    t_start, metrics, trend = time.time(), {}, Trend()
-    while step < total_buffers:
-        it = batches_from(run.loader, step, steps_per_epoch, s.rollout.generation_batches)
-        for _ in range(steps_per_epoch - step % steps_per_epoch):
-            t0 = time.time()
-            # 1. rollouts: N answers per prompt in the inference layout, their sampler log-probs and rewards
-            rollouts = []
-            for _ in range(s.rollout.generation_batches):
-                batch = next(it)
-                evidence.record_prompts(step, batch)
-                rollouts.append(trainer.rollout(batch["input_ids"].to(info.device),
-                                                batch["attention_mask"].to(info.device), batch["metadata"], step + 1,
-                                                batch.get("messages")))
-            t1 = time.time()
-            # 2. experience: log-probs, values, KL, the algorithm's advantages (the weights checked first);
-            # 3. learning: policy (and critic, PTX) micro-steps in the training layout
-            stats = PooledStats()  # every logged statistic, pooled over the global batch
-            evidence.before_learn(step + 1)
-            exp, agreement = learn_from(run, rollouts, stats)
-            evidence.after_learn(exp)  # the loss-scale probe at the first step
-            rss = dist.resident_mb()
-            for k, v in {"time/generate": t1 - t0, "memory/rss_train_mb": rss, **{f"time/{k}": v for k, v in hybrid.timings.items()}}.items():
-                stats.add_weighted(k, v, 1.0)  # per rank, averaged over ranks
-            step += 1
-            set_progress(optimizer_step=step)
-            samples += plan.rollouts_per_buffer
-            # 4. log, KL control, certificate figures and records, checkpoint
-            metrics = {**stats.finish(dist.all_reduce_sum if info.world_size > 1 else None),
-                       **{k: float(v) for k, v in agreement.items()}}  # agreement figures are already global
-            if not ckpt.after_step(step, state()):  # a skipped (non-finite) step tells the KL controller nothing
-                kl_ctl.update(metrics["kl"], plan.rollouts_per_buffer)
-            metrics["memory/rss_train_max_mb"] = dist.all_reduce_max(torch.tensor(rss)).item()
-            metrics.update(skipped_steps=ckpt.skipped, samples=samples, actor_lr=engines.actor.get_lr()[0],
-                           **({"critic_lr": engines.critic.get_lr()[0]} if engines.critic is not None else {}),
-                           samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),
-                           elapsed_min=(time.time() - t_start) / 60)
-            trend.add(metrics)
-            evidence.after_step(step, exp, metrics)
-            if step % s.log.log_interval == 0 or step == total_buffers:
-                tracker.log(metrics, step)
-            tracker.advance()
-            if step % plan.print_answers_interval == 0 or step == total_buffers:  # the console's trend line
-                tracker.write(trend.line(f"step 3 ({s.algorithm.name}) at step {step}/{total_buffers}"))
-            if step % plan.print_answers_interval == 0 or step == 1:  # one rollout for the report (and console)
-                p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
-                a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
-                tracker.sample(step, tokenizer.decode(p, skip_special_tokens=True),
+    def figures(step, metrics: dict, rss: float, t0: float) -> dict:  # after the non-finite guard
+        if not step.skipped:  # a skipped (non-finite) step tells the KL controller nothing
+            kl_ctl.update(metrics["kl"], plan.rollouts_per_buffer)
+        metrics["memory/rss_train_max_mb"] = dist.all_reduce_max(torch.tensor(rss)).item()
+        metrics.update(skipped_steps=run.skipped, samples=step3.samples, actor_lr=engines.actor.get_lr()[0],
+                       **({"critic_lr": engines.critic.get_lr()[0]} if engines.critic is not None else {}),
+                       samples_per_s=plan.rollouts_per_buffer / (time.time() - t0),
+                       elapsed_min=(time.time() - t_start) / 60)
+        trend.add(metrics)
+        n, exp = step.number, step.result
+        if n % plan.print_answers_interval == 0 or n == total:  # the console's trend line
+            run.tracker.write(trend.line(f"step 3 ({s.algorithm.name}) at step {n}/{total}"))
+        if n % plan.print_answers_interval == 0 or n == 1:  # one rollout for the report (and console)
+            p = exp.sequences[0, :exp.prompt_len][exp.attention_mask[0, :exp.prompt_len] > 0]
+            a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
+            run.tracker.sample(n, tokenizer.decode(p, skip_special_tokens=True),
                                tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
                                (exp.kl[0] * exp.action_mask[0]).sum().item(), show=s.rollout.print_answers,
                                turns=episode_turns(exp, 0) if exp.turns is not None else None)
-            if ckpt.due(step, total_buffers) or evidence.needs_checkpoint(step, total_buffers):
-                ckpt.save(step, state())  # (the step before a recorded one: the replay starts there)
-            save_snapshot_if_due(s.snapshots.save_hf_interval, step, total_buffers, engines.actor.module, tokenizer,
-                                 s.log.output_dir)  # the actor as an HF folder, for python -m chatrl.eval
-            if step >= total_buffers or ckpt.stop_here(step):
-                break
-        if ckpt.stop_here(step):
-            ckpt.note_stop(step, tracker)
-            return metrics
-    evidence.finish()
-    if plan.cap_note:
-        tracker.write(plan.cap_note)
-    tracker.close()
+        run.metrics = metrics
+        return metrics
+
+    for step in run:
+        t0 = time.time()
+        # 1. rollouts: N answers per prompt in the inference layout, their sampler log-probs and rewards
+        rollouts = []
+        for batch in step.batches():
+            step.account(batch)
+            rollouts.append(trainer.rollout(batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device),
+                                            batch["metadata"], step.number, batch.get("messages")))
+        t1 = time.time()
+        # 2. experience: log-probs, values, KL, the algorithm's advantages (the weights checked first);
+        # 3. learning: policy (and critic, PTX) micro-steps in the training layout
+        stats = PooledStats()  # every logged statistic, pooled over the global batch
+        exp, agreement = learn_from(step3, rollouts, stats)
+        rss = dist.resident_mb()
+        for k, v in {"time/generate": t1 - t0, "memory/rss_train_mb": rss,
+                     **{f"time/{k}": v for k, v in step3.hybrid.timings.items()}}.items():
+            stats.add_weighted(k, v, 1.0)  # per rank, averaged over ranks
+        step3.samples += plan.rollouts_per_buffer
+        # 4. figures and KL control after the guard; the run logs, certifies, checkpoints
+        metrics = {**stats.finish(dist.all_reduce_sum if info.world_size > 1 else None),
+                   **{k: float(v) for k, v in agreement.items()}}  # agreement figures are already global
+        step.done(figures, step, metrics, rss, t0, result=exp)
+
     out = s.log.output_dir
-    save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")
-    if engines.critic is not None:
-        save_reward_model(engines.critic.module, tokenizer, f"{out}/critic")
-    if engines.ema is not None:
-        save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema", dtype=torch_dtype(s.actor.dtype))
-    if info.is_main:
-        write_run_marker(out, {"step": 3, "steps": step, "metrics": metrics, "args": vars(run.args)})
-    return metrics
+
+    def save():
+        save_hf_model(engines.actor.module, tokenizer, f"{out}/actor")
+        if engines.critic is not None:
+            save_reward_model(engines.critic.module, tokenizer, f"{out}/critic")
+        if engines.ema is not None:
+            save_hf_model(engines.ema.module, tokenizer, f"{out}/actor_ema", dtype=torch_dtype(s.actor.dtype))
+
+    run.finish(3, vars(step3.args), save=save)
+    return run.metrics
 
 
 if __name__ == "__main__":

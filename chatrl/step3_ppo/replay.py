@@ -140,17 +140,18 @@ def replay(output: str | os.PathLike, step: int, atol: float = 0.0) -> dict:
         raise SystemExit(f"chatrl.replay: the checkpoint holds step {done}, not step {step - 1}")
     record = ranks[run.info.rank]
     exp = recorded_experience(record, run.info.device)
-    run.trainer.trace, stats, diffs = {}, PooledStats(), []
+    run.trainer.trace_learning(True)
+    stats, diffs = PooledStats(), []
     metrics: dict = {}
     try:
         exp, agreement = learn_from(run, [exp], stats)
         metrics = {**stats.finish(dist.all_reduce_sum if run.info.world_size > 1 else None),
                    **{k: float(v) for k, v in agreement.items()}}
-        diffs = compare_rank(record, exp, run.trainer.trace, atol)
+        diffs = compare_rank(record, exp, run.trainer.learning_trace(), atol)
     except WeightVersionError as err:
         diffs = [(0, f"weight version: {err}")]
     if run.info.is_main and not (diffs and diffs[0][0] == 0):
-        diffs += compare_figures(index.get("figures") or {}, run.trainer.trace, metrics, atol)
+        diffs += compare_figures(index.get("figures") or {}, run.trainer.learning_trace(), metrics, atol)
     gathered = [None] * run.info.world_size
     if run.info.world_size > 1:
         torch.distributed.all_gather_object(gathered, diffs)

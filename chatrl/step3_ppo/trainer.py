@@ -569,6 +569,29 @@ class Trainer:
         return agreement
 
     # --------------------------------------------------------------- the loss-scale probe's reference
+    # ------------------------------------------------------------------ what the certificate asks
+    def trace_learning(self, on: bool) -> None:
+        """Whether the next :meth:`learn` fills a per-token trace (:meth:`learning_trace`)."""
+        self.trace = {} if on else None
+
+    def learning_trace(self) -> dict | None:
+        """The trace of the last :meth:`learn` asked for with :meth:`trace_learning` (``ratio``, ``clip``,
+        ``actor_grad_norm``, ``critic_grad_norm``), or None."""
+        return self.trace
+
+    def first_optimizer_step_rows(self, exp: Experience) -> Experience:
+        """This rank's rows of ``exp`` that the first actor optimizer step trained on, on the CPU
+        (micro-batch size × accumulation rows; the loss-scale probe's batch)."""
+        return exp.rows(slice(0, self.gas * self.mb)).to("cpu")
+
+    def loss_aggregation(self, model: str) -> str:
+        """The loss aggregation of ``model`` ("actor": ``--loss_agg_mode``; "critic": its value loss's)."""
+        return self.mode if model == "actor" else self.critic_mode
+
+    def weight_versions(self) -> WeightVersionCheck:
+        """The weight-version check of every buffer so far (the certificate's property 2)."""
+        return self.weight_check
+
     def one_batch_actor_loss(self, model, parts: list[Experience]) -> torch.Tensor:
         """The policy loss of a global batch as ONE micro-batch on one rank, by its definition
         (:class:`chatrl.certificate.LossScaleProbe`): ``parts`` (every rank's rows of the first actor
