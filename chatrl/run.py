@@ -37,8 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from chatrl import dist
-from chatrl.certificate import SupervisedEvidence
-from chatrl.certificate import sequence_chunks  # noqa: F401 (the programs' probe references cut by it)
+from chatrl.certificate import (
+    SupervisedEvidence,
+    sequence_chunks,  # noqa: F401 (the programs' probe references cut by it)
+)
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.data.collate import MicroBatches
 from chatrl.resilience import set_progress
