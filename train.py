@@ -55,7 +55,7 @@ from chatrl.eval.settings import EvalPipelineConfig
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
 from chatrl.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.report import report_note
-from chatrl.rewards import load_reward_fn, split_weight
+from chatrl.rewards import check_reward_metadata, kinds, split_weight
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
 from chatrl.step2_dpo.main import build_parser as dpo_parser
@@ -591,7 +591,6 @@ def check_step_data(step: int, name: str, phase: int, args: argparse.Namespace, 
     """
     from chatrl.data.sources import read_source
     from chatrl.data.split import parse_data_split, phase_rows
-    from chatrl.rewards import check_reward_metadata
 
     entries = list(args.data_path or [])
     if not entries or not all(cli.looks_local(e.split("[", 1)[0]) for e in entries):
@@ -645,11 +644,11 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         path = entry.split("[", 1)[0] if entry.endswith("]") else entry
         if cli.looks_local(path) and not Path(path).expanduser().exists():
             raise SystemExit(f"train.py: --data-path {entry}: no such file or folder")
-    for spec in settings.reward.reward_fn:  # a misspelt --reward-fn stops train.py before step 1, in one line
+    for flag, spec in kinds.specs(settings.reward):  # a misspelt reward stops train.py before step 1, in one line
         try:
-            load_reward_fn(split_weight(spec, "--reward-fn")[1])
+            kinds.check(spec, flag)
         except ValueError as e:  # UsageError, a bad weight
-            raise SystemExit("train.py: " + str(e).replace("--reward_fn", "--reward-fn")) from None
+            raise SystemExit("train.py: " + str(e).replace(flag, flag.replace("_", "-"))) from None
     steps, rl_flags, skip2 = plan_pipeline(settings)
     deployment = a.deployment_type
     if a.preset == "demo":
@@ -859,8 +858,8 @@ def eval_flags(pipe: Pipeline, gold: Path | None) -> dict:
     step2 = _marker_args(gold if dpo and gold is not None else dirs[2])
     skip2 = plan_pipeline(s)[2]
     judge = (str(gold) if gold is not None else None) if dpo else (
-        str(dirs[2]) if not skip2 else s.reward.reward_fn[0] if len(s.reward.reward_fn) == 1 and not s.reward.reward_url
-        else None)
+        str(dirs[2]) if not skip2 else split_weight(s.reward.reward_fn[0], "--reward-fn")[1]
+        if len(s.reward.reward_fn) == 1 and not s.reward.reward_url else None)
     answer = int(run.get("max_answer_seq_len") or run.get("eval_max_new_tokens") or 64)
     prompt = int(run.get("max_prompt_seq_len") or max(1, int(run.get("max_seq_len") or 256) - answer))
     return {"models": [str(dirs[1]), str(final)], "prompts": run.get("data_path"),

@@ -44,7 +44,7 @@ from chatrl.models import (
 from chatrl.packing import pack
 from chatrl.resilience import nonfinite_scores, set_progress
 from chatrl.reward_model import save_reward_model
-from chatrl.rewards import ModelReward, WeightedReward, build_reward, check_reward_metadata
+from chatrl.rewards import ModelReward, RewardContext, WeightedReward, build_reward, check_reward_metadata
 from chatrl.rl import core
 from chatrl.rl.loss import check_rollout_is
 from chatrl.rl.stats import PooledStats
@@ -114,18 +114,17 @@ def reward_model_scores(reward_engine, micro_batch: int, pad_token_id: int | Non
     return score_fn
 
 
-def make_reward(s: Step3Settings, reward_engine, score_fn=None, pad_token_id: int | None = None) -> WeightedReward:
-    """The weighted reward of every algorithm (:func:`chatrl.rewards.build_reward`): the reward model
-    (when loaded; on packed rows with ``pad_token_id``), ``--reward_fn`` functions and ``--reward_url``
-    servers. ``score_fn`` (a test hook, ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``)
-    replaces all of them."""
+def make_reward(s: Step3Settings, reward_engine, reward_path: str | None, score_fn=None,
+                pad_token_id: int | None = None) -> WeightedReward:
+    """The weighted reward of every algorithm (:func:`chatrl.rewards.build_reward`, each source built by
+    its kind): the reward model at ``reward_path`` scored by ``reward_engine`` (when loaded; on packed
+    rows with ``pad_token_id``), the ``--reward_fn`` and ``--reward_url`` values. ``score_fn`` (a test
+    hook, ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``) replaces all of them."""
     if score_fn is not None:
         return WeightedReward([(1.0, ModelReward(score_fn, name="score_fn"))])
-    model = (ModelReward(reward_model_scores(reward_engine, s.ppo.per_device_training_batch_size, pad_token_id))
-             if reward_engine is not None else None)
-    r = s.reward
-    return build_reward(r.reward_fn, r.reward_url, model, http_timeout=r.reward_http_timeout,
-                        http_retries=r.reward_http_retries, http_batch_size=r.reward_http_batch_size,
+    scores = (reward_model_scores(reward_engine, s.ppo.per_device_training_batch_size, pad_token_id)
+              if reward_engine is not None else None)
+    return build_reward(s.reward, RewardContext(model_scores=scores), reward_path if scores is not None else None,
                         episodes=bool(s.env.env))
 
 
@@ -240,7 +239,7 @@ def build(args, score_fn=None) -> Step3Run:
     hybrid, generate = make_generate(engines.actor, s, tokenizer)
     kl_ctl = (core.AdaptiveKLController(s.ppo.init_kl_coef, s.ppo.kl_target, plan.kl_horizon)
               if s.ppo.kl_ctl == "adaptive" else core.FixedKLController(s.ppo.init_kl_coef))
-    reward = make_reward(s, engines.reward, score_fn, tokenizer.pad_token_id if s.packing.packing else None)
+    reward = make_reward(s, engines.reward, reward_path, score_fn, tokenizer.pad_token_id if s.packing.packing else None)
     several = info.world_size > 1
     trainer = Trainer(engines.actor, engines.reference, engines.critic, reward, generate, kl_ctl, s.ppo, tokenizer,
                       gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
