@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from chatrl.config import OptimConfig, PackingConfig, PPOConfig, RolloutConfig
 from chatrl.errors import UsageError
-from chatrl.rl.algorithms import Algorithm
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES
 
 
@@ -147,20 +147,61 @@ class PPOPlan:
     actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
     num_warmup_steps: int
     layout: dict  # which rollouts each rank makes at each step, by flag (recorded in checkpoints)
+    loss_agg_mode: str = "token-mean"  # the policy loss's aggregation (:func:`loss_aggregation`)
     kl_horizon: float = KL_HORIZON  # the adaptive KL controller's horizon (rollouts)
     print_answers_interval: int = PRINT_ANSWERS_INTERVAL  # steps between recorded rollouts
     notes: tuple[str, ...] = ()  # what adapted to the run (print once)
     cap_note: str | None = None  # the run ends before --max_steps: said once at its end
 
 
-def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
-             per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
-             gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: float | None,
-             ptx: bool, algorithm: Algorithm, num_samples_per_prompt: int = 1,
-             loss_agg_mode: str = "token-mean", kl_horizon: float | None = None,
-             adaptive_kl: bool = False, print_answers_interval: int | None = None,
-             max_tokens_per_micro_batch: int = 0) -> PPOPlan:
-    """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
+@dataclass(frozen=True)
+class PromptCounts:
+    """What step 3's data and launch give its planner: ``n_generation_batches`` full prompt batches per
+    rank and epoch (the prompt loader's length), ``n_prompts`` prompts, ``world_size`` ranks."""
+
+    n_generation_batches: int
+    n_prompts: int
+    world_size: int
+
+
+def loss_aggregation(ppo: PPOConfig, optim: OptimConfig, packing: PackingConfig,
+                     ptx: bool) -> tuple[str, str | None]:
+    """The policy loss's aggregation of a step-3 run (:data:`chatrl.rl.loss.LOSS_AGG_MODES`) and a note
+    when an unset ``--loss_agg_mode`` adapted (None otherwise); ``ppo`` (the PPO block) is not changed.
+
+    Unset, it is the algorithm's default, except in two cases where that default does not fit:
+
+    * with ``--max_tokens_per_micro_batch``, ``micro-batch-token-mean`` (which weighs a token by the
+      number of tokens sharing its micro-batch, so micro-batches cut by token budget would change the
+      gradient) becomes ``token-mean``, a global mode (:mod:`chatrl.rl.loss`);
+    * the PTX loss with ``--gradient_accumulation_steps`` > 1 needs a per-micro-batch aggregation:
+      ``micro-batch-token-mean``.
+
+    A given ``--loss_agg_mode`` is kept (:func:`plan_ppo` refuses ``micro-batch-token-mean`` with a
+    token budget).
+    """
+    algorithm, mode = ppo.algorithm, ppo.loss_aggregation
+    if packing.max_tokens_per_micro_batch and mode == "micro-batch-token-mean" and ppo.loss_agg_mode is None:
+        return "token-mean", (
+            "--max_tokens_per_micro_batch: the loss aggregation is token-mean (every action token of an "
+            "optimizer step weighs the same, whatever the micro-batches) instead of "
+            f"{ppo.rl_algorithm}'s default micro-batch-token-mean, whose weights depend on the micro-batches")
+    if (ppo.loss_agg_mode is None and ptx and algorithm.loss_agg_mode != "micro-batch-token-mean"
+            and optim.gradient_accumulation_steps > 1):
+        return "micro-batch-token-mean", (
+            "the PTX loss with --gradient_accumulation_steps > 1 needs a per-micro-batch aggregation: "
+            "--loss_agg_mode micro-batch-token-mean is used (the policy and value losses then depend on the "
+            "micro-batch split; see docs/ppo.md)")
+    return mode, None
+
+
+def plan_ppo(counts: PromptCounts, rollout: RolloutConfig, ppo: PPOConfig, optim: OptimConfig,
+             packing: PackingConfig, ptx: bool) -> PPOPlan:
+    """Step 3's sizes from its blocks: the rollout block (generation batch, generation batches per
+    buffer, report interval), the PPO block (training micro-batch, PPO epochs, the algorithm and its
+    group size, loss aggregation, KL horizon), the actor's optimizer block (gradient accumulation,
+    epochs, ``--max_steps``, warm-up) and the packing block (token budget); ``counts`` are the data's
+    and the launch's, ``ptx`` whether the PTX loss is on (``--unsupervised_dataset_name``).
 
     Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
     one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts; the
@@ -187,6 +228,8 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     (the step settings adapt an unset one) and the PTX loss, whose micro-steps interleave the
     policy's, is not supported.
 
+    The loss aggregation is :func:`loss_aggregation`'s (its note, if any, is the first of ``notes``).
+
     Raises:
         UsageError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
             generation batch not made of whole micro-batches; a buffer not made of whole optimizer
@@ -194,6 +237,18 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
             ``kl_horizon`` <= 0 or a ``print_answers_interval`` < 1; the message names the flags
             and a fix.
     """
+    n_generation_batches, n_prompts, world_size = (counts.n_generation_batches, counts.n_prompts,
+                                                   counts.world_size)
+    per_device_generation_batch_size, generation_batches = rollout.per_device_generation_batch_size, \
+        rollout.generation_batches
+    per_device_training_batch_size, ppo_epochs = ppo.per_device_training_batch_size, ppo.ppo_epochs
+    gradient_accumulation_steps, num_train_epochs = optim.gradient_accumulation_steps, optim.num_train_epochs
+    max_steps, num_warmup_steps = optim.max_steps, optim.num_warmup_steps
+    algorithm, num_samples_per_prompt = ppo.algorithm, ppo.samples_per_prompt
+    kl_horizon, adaptive_kl, print_answers_interval = ppo.kl_horizon, ppo.kl_ctl == "adaptive", \
+        rollout.print_answers_interval
+    max_tokens_per_micro_batch = packing.max_tokens_per_micro_batch
+    loss_agg_mode, adapted = loss_aggregation(ppo, optim, packing, ptx)
     for flag, v in (("per_device_generation_batch_size", per_device_generation_batch_size),
                     ("per_device_training_batch_size", per_device_training_batch_size),
                     ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
@@ -255,7 +310,7 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     critic_steps = policy_steps if algorithm.needs_critic else 0
     warmup, note = warmup_steps(num_warmup_steps, PPO_WARMUP_STEPS, policy_steps,
                                 "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
-    notes = [note] if note else []
+    notes = [n for n in (adapted, note) if n]
     rollouts_per_buffer = generation_batches * per_generation * world_size
     horizon = kl_horizon
     if horizon is None:
@@ -276,7 +331,7 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
            f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_prompts} prompts ran out "
            "(--num_train_epochs, or more prompts, for a longer run)" if max_steps and total < max_steps else None)
     return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer, critic_steps,
-                   actor_steps, warmup, layout, horizon, interval, tuple(notes), cap)
+                   actor_steps, warmup, layout, loss_agg_mode, horizon, interval, tuple(notes), cap)
 
 
 #: ``--max_turns`` when ``--env`` is given without it.
