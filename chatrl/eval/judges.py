@@ -195,11 +195,11 @@ def load_judge(spec: str, flag: str, max_seq_len: int = 512, batch_size: int = 1
     """
     kind = kinds.find(spec)
     if kind is None:
-        others = "".join(f", {k.name}:..." for k in kinds.KINDS.values()
-                         if type(k) not in (kinds.FunctionKind, kinds.BuiltinKind, kinds.HttpKind, kinds.ModelKind))
-        raise UsageError(f"{flag} {spec}: no such folder; a judge is a reward-model folder (step 2's output), "
-                         f"module:function / file.py:function or a built-in reward ({', '.join(BUILTIN_REWARD_FNS)})"
-                         + (f" or a registered reward kind's value ({others[2:]})" if others else ""))
+        own = [f"{k}:..." for k in kinds.names() if k not in ("function", "builtin", "http", "model")]
+        raise UsageError(f"{flag} {spec}: no such folder; a judge is a reward-model folder (step 2's "
+                         "output), module:function / file.py:function or a built-in reward "
+                         f"({', '.join(BUILTIN_REWARD_FNS)})"
+                         + (f" or a registered reward kind's value ({', '.join(own)})" if own else ""))
     if kind.name == "model":
         return RewardModelJudge(spec, flag, max_seq_len, batch_size, dtype, device)
     if isinstance(kind, kinds.FunctionKind):

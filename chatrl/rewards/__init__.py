@@ -8,7 +8,8 @@
 - :class:`~chatrl.rewards.base.EpisodeReward`: an environment's reward of multi-turn episodes (``--env``).
 
 Each kind of source is a class registered in :mod:`chatrl.rewards.kinds`, which the flags, step 3,
-``train.py`` and the evaluation's judges read. :class:`~chatrl.rewards.base.WeightedReward` sums several; :func:`~chatrl.rewards.base.score_on_all_ranks`
+``train.py`` and the evaluation's judges read. :class:`~chatrl.rewards.base.WeightedReward` sums
+several; :func:`~chatrl.rewards.base.score_on_all_ranks`
 makes a failure on one rank an error on every rank instead of a hang.
 """
 

@@ -233,7 +233,8 @@ def check(spec: str, flag: str) -> None:
 
 def specs(settings: RewardConfig) -> list[tuple[str, str]]:
     """``(flag, value)`` of every reward value of the run's reward block, in the order they are summed."""
-    return [*(("--reward_fn", v) for v in settings.reward_fn), *(("--reward_url", v) for v in settings.reward_url)]
+    return [*(("--reward_fn", v) for v in settings.reward_fn),
+            *(("--reward_url", v) for v in settings.reward_url)]
 
 
 def sources(settings: RewardConfig, context: RewardContext) -> list[tuple[float, RewardSource]]:
@@ -269,10 +270,10 @@ def check_reward_metadata(reward_fns: Sequence[str], metadata: Sequence[dict | N
         missing = [i for i, m in enumerate(metadata) if (m or {}).get(key) is None]
         if missing:
             name = kind.short_name(target) if isinstance(kind, BuiltinKind) else target
-            raise UsageError(f"--reward_fn {name} scores each answer against its prompt row's \"{key}\", and "
-                             f"{len(missing)} of the {len(metadata)} step-3 prompt rows of {where} have none (row "
-                             f"{missing[0]} first): give prompt rows with a \"{key}\" (scripts/make_arith_task.py "
-                             "writes them; docs/rewards.md)")
+            raise UsageError(f"--reward_fn {name} scores each answer against its prompt row's "
+                             f"\"{key}\", and {len(missing)} of the {len(metadata)} step-3 prompt rows of "
+                             f"{where} have none (row {missing[0]} first): give prompt rows with a \"{key}\" "
+                             "(scripts/make_arith_task.py writes them; docs/rewards.md)")
 
 
 register(FunctionKind())

@@ -169,8 +169,8 @@ def test_a_toy_reward_kind_plugs_in_through_the_documented_path(pipeline):
                          "--actor_model_name_or_path", str(root / "step1"), "--data_path", PROMPTS,
                          "--data_output_path", str(root / "cache"), "--max_prompt_seq_len", "32",
                          "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "4",
-                         "--per_device_training_batch_size", "4", "--max_steps", "2", "--num_warmup_steps", "0",
-                         "--output_dir", str(out), "--disable_progress_bar"])
+                         "--per_device_training_batch_size", "4", "--max_steps", "2",
+                         "--num_warmup_steps", "0", "--output_dir", str(out), "--disable_progress_bar"])
     finally:
         kinds.KINDS.pop("length")
     assert [step for step, _, _ in seen] == [1, 2]  # one generation batch per experience buffer

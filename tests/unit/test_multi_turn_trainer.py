@@ -113,7 +113,8 @@ def test_single_answers_keep_no_turn_tensors(setup):
     settings = PPOConfig(rl_algorithm="grpo", num_samples_per_prompt=2, per_device_training_batch_size=4)
     sampler = ScriptedSampler([first], tok.pad_token_id, 16)
     tr = Trainer(FakeEngine(tiny_lm(len(tok), 0), 1), FakeEngine(tiny_lm(len(tok), 1), 1), None,
-                 build_reward(RewardConfig(reward_fn=["exact_match"])), sampler, core.FixedKLController(0.05), settings, tok)
+                 build_reward(RewardConfig(reward_fn=["exact_match"])), sampler, core.FixedKLController(0.05),
+                 settings, tok)
     ids = torch.tensor([tok("hi")["input_ids"]])
     exp = tr.rollout(ids, torch.ones_like(ids), [{"reference": "1"}], step=1)
     assert exp.turn_rewards is None and exp.turns is None and exp.transcripts == []

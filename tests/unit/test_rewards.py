@@ -333,8 +333,8 @@ def test_each_reward_value_goes_to_the_kind_that_claims_it(tmp_path):
         kinds.check("exact_mach", "--reward_fn")
     with pytest.raises(UsageError, match="no reward kind reads --reward_grpc"):
         kinds.resolve("x", "--reward_grpc")
-    with pytest.raises(UsageError, match="exact_match scores each answer against its prompt row's \"reference\""):
-        check_reward_metadata(["0.5*chatrl.rewards.builtin:exact_match"], [{"reference": 1}, {}], "rows.jsonl")
+    with pytest.raises(UsageError, match="exact_match scores each answer against its prompt row's"):
+        check_reward_metadata(["0.5*chatrl.rewards.builtin:exact_match"], [{"reference": 1}, {}], "r.jsonl")
     kinds.register(LengthKind())
     try:
         w, kind, target = kinds.resolve("2*length:3", "--reward_fn")
