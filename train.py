@@ -176,7 +176,7 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
     Warm-ups are fractions of each step's run (10 of step 1's 114 steps, 10 of step 2's 91, 5 of step
     3's 40), so that a shortened demo (``--step3-args "--max_steps 3"``) still fits; intervals longer
     than a shortened run simply do not fire. Step 3 records the batches of steps 20 and 40
-    (``--save_rollouts``) for ``python -m chatrl.inspect`` and ``python -m chatrl.replay``."""
+    (``--save_rollouts``) for ``python -m chatrl.inspector`` and ``python -m chatrl.replay``."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
     # fp32: in bf16 (--dtype bf16) the demo's step-2 accuracy and step-3 EOS rate came out lower (docs/precision.md)
@@ -192,7 +192,7 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
              "save_interval": 10, "save_hf_interval": 10,
-             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.inspect)
+             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.inspector)
     # --step2-method dpo: DPO takes step 1's settings; its warm-up stays the 10 steps of its 46 it always had
     return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
 
@@ -644,7 +644,7 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         path = entry.split("[", 1)[0] if entry.endswith("]") else entry
         if cli.looks_local(path) and not Path(path).expanduser().exists():
             raise SystemExit(f"train.py: --data-path {entry}: no such file or folder")
-    for flag, spec in kinds.specs(settings.reward):  # a misspelt reward stops train.py before step 1, in one line
+    for flag, spec in kinds.specs(settings.reward):  # a misspelt reward stops train.py before step 1
         try:
             kinds.check(spec, flag)
         except ValueError as e:  # UsageError, a bad weight

@@ -1,7 +1,7 @@
 """The token-level inspector: what a step-3 training step learned from, one offline HTML file.
 
-    python -m chatrl.inspect OUTPUT --step N                   # writes OUTPUT/rollouts/step_N.html
-    python -m chatrl.inspect OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
+    python -m chatrl.inspector OUTPUT --step N                   # writes OUTPUT/rollouts/step_N.html
+    python -m chatrl.inspector OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
 
 ``OUTPUT`` is step 3's ``--output_dir`` (or ``train.py``'s, whose ``step3_rlhf/`` is used), run with
 ``--save_rollouts`` (:mod:`chatrl.rollout_records`). Every recorded rollout is shown as its tokens:
@@ -286,7 +286,7 @@ def build_html(output: str | os.PathLike, step: int, other: str | os.PathLike | 
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="chatrl-charts" content="{len(figs)}">'
             f"<title>{html.escape(title)}</title><style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script>"
             f"</head><body><h1>{html.escape(title)}</h1><p class=\"sub\">written {time.strftime('%Y-%m-%d %H:%M:%S')} · "
-            f"plotly {plotly.__version__} · <code>python -m chatrl.inspect {html.escape(str(output))} --step {step}"
+            f"plotly {plotly.__version__} · <code>python -m chatrl.inspector {html.escape(str(output))} --step {step}"
             f"{' --diff ' + html.escape(str(other)) if other else ''}</code>; hover a token for every figure</p>"
             f'<div style="display:flex;gap:12px">{"".join(_figures_table(r) for r in runs)}</div>'
             f'<div class="charts">{charts}</div>'
@@ -312,8 +312,8 @@ def write_inspector(output: str | os.PathLike, step: int, other: str | os.PathLi
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.inspect OUTPUT --step N [--diff OTHER] [--out FILE]``."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.inspect", description=__doc__,
+    """``python -m chatrl.inspector OUTPUT --step N [--diff OTHER] [--out FILE]``."""
+    p = argparse.ArgumentParser(prog="python -m chatrl.inspector", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="step 3's --output_dir (or train.py's --output-dir), run with --save_rollouts")
     p.add_argument("--step", type=int, default=None, help="the recorded step (default: the last one)")
@@ -324,14 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     if step is None:
         have = recorded_steps(resolve_output(a.output))
         if not have:
-            raise SystemExit(f"chatrl.inspect: {a.output} holds no rollout record (run step 3 with --save_rollouts N)")
+            raise SystemExit(f"chatrl.inspector: {a.output} holds no rollout record (run step 3 with --save_rollouts N)")
         step = have[-1]
     try:
         path = write_inspector(a.output, step, a.diff, a.out)
     except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.inspect: {e}") from None
+        raise SystemExit(f"chatrl.inspector: {e}") from None
     except ImportError as e:
-        raise SystemExit(f"chatrl.inspect needs {e.name}: pip install -e \".[web]\"") from None
+        raise SystemExit(f"chatrl.inspector needs {e.name}: pip install -e \".[web]\"") from None
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
