@@ -2,9 +2,10 @@
 
 Batch sizes (:class:`BatchSizes`: per device, gradient accumulation, ranks, global batch), the
 length of a step-1/2 run in optimizer steps (:func:`plan_steps` → :class:`StepPlan`) and every
-size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`; multi-turn episodes: :func:`plan_episodes`). A training loop reads its plan and
-never re-derives a count; a size that does not fit raises ``ValueError`` here, naming the flags
-and a fix, before any model is loaded. Pure arithmetic: no DeepSpeed, no model.
+size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`; multi-turn episodes:
+:func:`plan_episodes`). A training loop reads its plan and never re-derives a count; a size that
+does not fit raises ``ValueError`` here, naming the flags and a fix, before any model is loaded.
+Pure arithmetic: no DeepSpeed, no model.
 
 Settings whose default depends on the run's length are unset (``None``) in their blocks, and the
 plan computes their effective value: the warm-up (:func:`warmup_steps`), step 3's KL horizon and
@@ -87,14 +88,16 @@ def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epoc
     steps_per_epoch = n_batches // batch.gradient_accumulation_steps
     if steps_per_epoch == 0:
         raise UsageError(f"{n_samples} training {what} give no full optimizer step of global batch "
-                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
+                         f"{batch.global_batch}; lower --per_device_train_batch_size or "
+                         "--gradient_accumulation_steps")
     total = steps_per_epoch * num_train_epochs
     if max_steps:
         total = min(total, max_steps)
     warmup, note = warmup_steps(num_warmup_steps, default_warmup, total, "optimizer steps")
     cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} optimizer steps, when its "
            f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_samples} {what} ran out "
-           f"(--num_train_epochs, or more data, for a longer run)" if max_steps and total < max_steps else None)
+           f"(--num_train_epochs, or more data, for a longer run)"
+           if max_steps and total < max_steps else None)
     return StepPlan(steps_per_epoch, total, warmup, (note,) if note else (), cap)
 
 
@@ -117,13 +120,13 @@ def warmup_steps(given: float | None, default: int, total: int, unit: str) -> tu
         return used, (f"--num_warmup_steps unset: the default {default} is longer than a tenth of this run "
                       f"({total} {unit}); using {used}. Set it to choose another")
     if given < 0 or (given >= 1 and given != int(given)):
-        raise UsageError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a fraction "
-                         "of the run below 1, e.g. 0.1)")
+        raise UsageError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a "
+                         "fraction of the run below 1, e.g. 0.1)")
     if given < 1:
         return (min(math.ceil(given * total), total - 1) if given else 0), None
     if given >= total:
-        raise UsageError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); lower "
-                         "--num_warmup_steps (or give a fraction of the run, e.g. 0.1) or train longer "
+        raise UsageError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); "
+                         "lower --num_warmup_steps (or give a fraction of the run, e.g. 0.1) or train longer "
                          "(--num_train_epochs, --max_steps)")
     return int(given), None
 
@@ -253,8 +256,10 @@ def plan_ppo(counts: PromptCounts, rollout: RolloutConfig, ppo: PPOConfig, optim
                     ("per_device_training_batch_size", per_device_training_batch_size),
                     ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
-                    ("num_train_epochs", num_train_epochs), ("num_samples_per_prompt", num_samples_per_prompt),
-                    ("print_answers_interval", 1 if print_answers_interval is None else print_answers_interval)):
+                    ("num_train_epochs", num_train_epochs),
+                    ("num_samples_per_prompt", num_samples_per_prompt),
+                    ("print_answers_interval",
+                     1 if print_answers_interval is None else print_answers_interval)):
         if v < 1:
             raise UsageError(f"--{flag} must be >= 1, got {v}")
     if kl_horizon is not None and not kl_horizon > 0:
@@ -268,35 +273,37 @@ def plan_ppo(counts: PromptCounts, rollout: RolloutConfig, ppo: PPOConfig, optim
     if per_generation % per_device_training_batch_size:
         times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
                    if num_samples_per_prompt > 1 else "")
-        raise UsageError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
-                         f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
-                         "batch must split into whole training micro-batches; make the generation batch a multiple "
-                         "of the "
-                         "training one")
+        raise UsageError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} "
+                         "is not a multiple of --per_device_training_batch_size "
+                         f"{per_device_training_batch_size}: each rollout batch must split into whole "
+                         "training micro-batches; make the generation batch a multiple of the training one")
     micro_per_gen = per_generation // per_device_training_batch_size
     micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
     if global_mode and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
         raise UsageError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
                          f"{generation_batches * micro_per_gen} micro-batches of one pass over a buffer "
-                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
-                         f"batch): with --loss_agg_mode {loss_agg_mode} an optimizer step would straddle two passes; "
-                         "choose a divisor")
+                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per "
+                         f"generation batch): with --loss_agg_mode {loss_agg_mode} an optimizer step would "
+                         "straddle two passes; choose a divisor")
     if micro_per_buffer % gradient_accumulation_steps:
         raise UsageError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
-                         f"{micro_per_buffer} training micro-batches of an experience buffer (--generation_batches "
-                         f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
-                         "generation batch): an optimizer step would straddle two buffers; choose a divisor")
+                         f"{micro_per_buffer} training micro-batches of an experience buffer "
+                         f"(--generation_batches {generation_batches} x --ppo_epochs {ppo_epochs} x "
+                         f"{micro_per_gen} micro-batches per generation batch): an optimizer step would "
+                         "straddle two buffers; choose a divisor")
     if max_tokens_per_micro_batch and not global_mode:
-        raise UsageError(f"--max_tokens_per_micro_batch needs a global --loss_agg_mode ({', '.join(GLOBAL_LOSS_AGG_MODES)}), "
-                         f"got {loss_agg_mode}: a per-micro-batch mean depends on how the step is cut")
+        raise UsageError("--max_tokens_per_micro_batch needs a global --loss_agg_mode "
+                         f"({', '.join(GLOBAL_LOSS_AGG_MODES)}), got {loss_agg_mode}: a per-micro-batch mean "
+                         "depends on how the step is cut")
     if max_tokens_per_micro_batch and ptx:
-        raise UsageError("--max_tokens_per_micro_batch does not combine with the PTX loss (--unsupervised_dataset_name): "
-                         "its micro-steps interleave the policy's; drop one of them")
+        raise UsageError("--max_tokens_per_micro_batch does not combine with the PTX loss "
+                         "(--unsupervised_dataset_name): its micro-steps interleave the policy's; drop one "
+                         "of them")
     if ptx and global_mode and gradient_accumulation_steps > 1:
-        raise UsageError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} needs "
-                         f"--gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX micro-step "
-                         "follows every policy micro-batch, so an accumulated actor step would hold fewer policy "
-                         "micro-batches than its loss normaliser counts")
+        raise UsageError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} "
+                         f"needs --gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX "
+                         "micro-step follows every policy micro-batch, so an accumulated actor step would "
+                         "hold fewer policy micro-batches than its loss normaliser counts")
     buffers_per_epoch = n_generation_batches // generation_batches
     if buffers_per_epoch == 0:
         raise UsageError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
@@ -308,8 +315,9 @@ def plan_ppo(counts: PromptCounts, rollout: RolloutConfig, ppo: PPOConfig, optim
     policy_steps = total * micro_per_buffer // gradient_accumulation_steps
     actor_steps = policy_steps * (2 if ptx else 1)
     critic_steps = policy_steps if algorithm.needs_critic else 0
-    warmup, note = warmup_steps(num_warmup_steps, PPO_WARMUP_STEPS, policy_steps,
-                                "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
+    warmup, note = warmup_steps(
+        num_warmup_steps, PPO_WARMUP_STEPS, policy_steps,
+        "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
     notes = [n for n in (adapted, note) if n]
     rollouts_per_buffer = generation_batches * per_generation * world_size
     horizon = kl_horizon
@@ -322,16 +330,19 @@ def plan_ppo(counts: PromptCounts, rollout: RolloutConfig, ppo: PPOConfig, optim
     if interval is None:
         interval = max(1, min(PRINT_ANSWERS_INTERVAL, total // 4))
         if interval < PRINT_ANSWERS_INTERVAL:
-            notes.append(f"--print_answers_interval unset: a rollout is recorded every {interval} step(s) of this "
-                         f"{total}-step run (default {PRINT_ANSWERS_INTERVAL})")
+            notes.append(f"--print_answers_interval unset: a rollout is recorded every {interval} step(s) of "
+                         f"this {total}-step run (default {PRINT_ANSWERS_INTERVAL})")
     layout = {"world_size": world_size, "gradient_accumulation_steps": gradient_accumulation_steps,
               "per_device_generation_batch_size": per_device_generation_batch_size,
-              "generation_batches": generation_batches, "per_device_training_batch_size": per_device_training_batch_size}
-    cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} steps (experience buffers), when its "
-           f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_prompts} prompts ran out "
-           "(--num_train_epochs, or more prompts, for a longer run)" if max_steps and total < max_steps else None)
-    return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer, critic_steps,
-                   actor_steps, warmup, layout, loss_agg_mode, horizon, interval, tuple(notes), cap)
+              "generation_batches": generation_batches,
+              "per_device_training_batch_size": per_device_training_batch_size}
+    cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} steps (experience buffers), "
+           f"when its {num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_prompts} prompts "
+           "ran out (--num_train_epochs, or more prompts, for a longer run)"
+           if max_steps and total < max_steps else None)
+    return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer,
+                   critic_steps, actor_steps, warmup, layout, loss_agg_mode, horizon, interval, tuple(notes),
+                   cap)
 
 
 #: ``--max_turns`` when ``--env`` is given without it.
@@ -360,8 +371,9 @@ def plan_episodes(max_prompt_seq_len: int, max_answer_seq_len: int, max_turns: i
     turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
     if turns < 1:
         raise UsageError(f"--max_turns must be >= 1, got {turns}")
-    total = max_prompt_seq_len + (2 * turns - 1) * max_answer_seq_len if max_total_tokens is None else max_total_tokens
+    total = (max_prompt_seq_len + (2 * turns - 1) * max_answer_seq_len if max_total_tokens is None
+             else max_total_tokens)
     if total <= max_prompt_seq_len:
-        raise UsageError(f"--max_total_tokens {total} leaves no room for an answer after --max_prompt_seq_len "
-                         f"{max_prompt_seq_len}")
+        raise UsageError(f"--max_total_tokens {total} leaves no room for an answer after "
+                         f"--max_prompt_seq_len {max_prompt_seq_len}")
     return EpisodePlan(turns, total, total - 1)
