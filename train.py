@@ -55,7 +55,7 @@ from chatrl.eval.settings import EvalPipelineConfig
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
 from chatrl.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.report import report_note
-from chatrl.rewards import load_reward_fn, split_weight
+from chatrl.rewards import check_reward_metadata, kinds, split_weight
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
 from chatrl.step2_dpo.main import build_parser as dpo_parser
@@ -176,7 +176,7 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
     Warm-ups are fractions of each step's run (10 of step 1's 114 steps, 10 of step 2's 91, 5 of step
     3's 40), so that a shortened demo (``--step3-args "--max_steps 3"``) still fits; intervals longer
     than a shortened run simply do not fire. Step 3 records the batches of steps 20 and 40
-    (``--save_rollouts``) for ``python -m chatrl.inspect`` and ``python -m chatrl.replay``."""
+    (``--save_rollouts``) for ``python -m chatrl.inspector`` and ``python -m chatrl.replay``."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
     # fp32: in bf16 (--dtype bf16) the demo's step-2 accuracy and step-3 EOS rate came out lower (docs/precision.md)
@@ -192,7 +192,7 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
              "save_interval": 10, "save_hf_interval": 10,
-             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.inspect)
+             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.inspector)
     # --step2-method dpo: DPO takes step 1's settings; its warm-up stays the 10 steps of its 46 it always had
     return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
 
@@ -591,7 +591,6 @@ def check_step_data(step: int, name: str, phase: int, args: argparse.Namespace, 
     """
     from chatrl.data.sources import read_source
     from chatrl.data.split import parse_data_split, phase_rows
-    from chatrl.rewards import check_reward_metadata
 
     entries = list(args.data_path or [])
     if not entries or not all(cli.looks_local(e.split("[", 1)[0]) for e in entries):
@@ -645,11 +644,11 @@ def plan(argv: list[str] | None = None, cwd: str | os.PathLike | None = None) ->
         path = entry.split("[", 1)[0] if entry.endswith("]") else entry
         if cli.looks_local(path) and not Path(path).expanduser().exists():
             raise SystemExit(f"train.py: --data-path {entry}: no such file or folder")
-    for spec in settings.reward.reward_fn:  # a misspelt --reward-fn stops train.py before step 1, in one line
+    for flag, spec in kinds.specs(settings.reward):  # a misspelt reward stops train.py before step 1
         try:
-            load_reward_fn(split_weight(spec, "--reward-fn")[1])
+            kinds.check(spec, flag)
         except ValueError as e:  # UsageError, a bad weight
-            raise SystemExit("train.py: " + str(e).replace("--reward_fn", "--reward-fn")) from None
+            raise SystemExit("train.py: " + str(e).replace(flag, flag.replace("_", "-"))) from None
     steps, rl_flags, skip2 = plan_pipeline(settings)
     deployment = a.deployment_type
     if a.preset == "demo":
@@ -860,8 +859,8 @@ def eval_flags(pipe: Pipeline, gold: Path | None) -> dict:
     step2 = _marker_args(gold if dpo and gold is not None else dirs[2])
     skip2 = plan_pipeline(s)[2]
     judge = (str(gold) if gold is not None else None) if dpo else (
-        str(dirs[2]) if not skip2 else s.reward.reward_fn[0] if len(s.reward.reward_fn) == 1 and not s.reward.reward_url
-        else None)
+        str(dirs[2]) if not skip2 else split_weight(s.reward.reward_fn[0], "--reward-fn")[1]
+        if len(s.reward.reward_fn) == 1 and not s.reward.reward_url else None)
     answer = int(run.get("max_answer_seq_len") or run.get("eval_max_new_tokens") or 64)
     prompt = int(run.get("max_prompt_seq_len") or max(1, int(run.get("max_seq_len") or 256) - answer))
     return {"models": [str(dirs[1]), str(final)], "prompts": run.get("data_path"),

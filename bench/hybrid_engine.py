@@ -9,8 +9,8 @@ The reference set-up: a randomly initialised OPT (hidden 512, 8 layers, 8 heads,
 vocab 50272, fp32) trained under ZeRO-3 over 2 ranks, batch 8 per rank, prompts of 128 tokens,
 128 new tokens with EOS disabled (``min_new_tokens = max_new_tokens``), greedy. Measured:
 
-(a) ``plain``: ``HybridEngine(enable=False)``, i.e. HF ``generate(synced_gpus=True)`` on the
-    ZeRO-3 module (every layer all-gathered for every token);
+(a) ``plain``: the hybrid engine with ``enable_hybrid_engine=False``, i.e. HF ``generate(synced_gpus=True)``
+    on the ZeRO-3 module (every layer all-gathered for every token);
 (b) ``engine_tp1`` and (c) ``engine_tp2``: the hybrid engine, with the entry (gather + shard) and
     exit (release) counted in the wall time.
 
@@ -73,6 +73,7 @@ def _worker(argv) -> None:
     from transformers import OPTConfig, OPTForCausalLM
 
     from chatrl import dist as cdist
+    from chatrl.config import HybridEngineConfig
     from chatrl.hybrid_engine import HybridEngine
     from chatrl.sizes import BatchSizes
 
@@ -99,9 +100,10 @@ def _worker(argv) -> None:
                            "threads_per_rank": None}}
     seqs = {}
     for mode in args.modes.split(","):
-        he = (HybridEngine(engine, enable=False) if mode == "plain"
-              else HybridEngine(engine, inference_tp_size=int(mode[-1]), tp_gather_partition_size=args.gather_group,
-                                release_inference_cache=not args.keep_copy))
+        he = (HybridEngine(engine, HybridEngineConfig(enable_hybrid_engine=False)) if mode == "plain"
+              else HybridEngine(engine, HybridEngineConfig(
+                  enable_hybrid_engine=True, inference_tp_size=int(mode[-1]),
+                  tp_gather_partition_size=args.gather_group, release_inference_cache=not args.keep_copy)))
         out["setup"]["threads_per_rank"] = he.threads_per_rank
         cdist.barrier()
         t0 = time.perf_counter()

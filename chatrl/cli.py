@@ -14,8 +14,7 @@ from pathlib import Path
 from chatrl import model_zoo
 from chatrl.checkpoint import COMPLETE, RUN_MARKER, list_checkpoints
 from chatrl.errors import UsageError
-from chatrl.rewards.base import split_weight
-from chatrl.rewards.function import load_reward_fn
+from chatrl.rewards import kinds
 
 
 def normalize_argv(argv: list[str], known: set[str] | None = None) -> list[str]:
@@ -128,7 +127,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     here, with one line naming the flag, before any rank starts loading models; so is an
     ``--output_dir`` that holds a finished run, or the checkpoints of an unfinished one, when the
     command says neither ``--resume`` nor ``--overwrite_output_dir`` (a rerun would overwrite them).
-    ``--reward_fn`` functions are imported here, so a misspelt one is refused in one line too.
+    ``--reward_fn`` and ``--reward_url`` values are checked by their kinds here (a function is imported),
+    so a misspelt one is refused in one line too.
     """
     import sys
 
@@ -145,11 +145,12 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
         parser.error(f"--save_interval must be >= 0 (0: no checkpoints), got {args.save_interval}")
     if getattr(args, "save_hf_interval", 0) < 0:
         parser.error(f"--save_hf_interval must be >= 0 (0: no snapshots), got {args.save_hf_interval}")
-    for spec in getattr(args, "reward_fn", None) or []:  # imported now (cheap): a misspelt one is one line
-        try:
-            load_reward_fn(split_weight(spec, "--reward_fn")[1])
-        except ValueError as e:  # a UsageError naming the flag and the spec, or a bad weight
-            parser.error(str(e))
+    for flag in ("reward_fn", "reward_url"):  # checked now (cheap): a misspelt one is one line
+        for spec in getattr(args, flag, None) or []:
+            try:
+                kinds.check(spec, f"--{flag}")
+            except ValueError as e:  # a UsageError naming the flag and the spec, or a bad weight
+                parser.error(str(e))
     output_dir = getattr(args, "output_dir", None)
     if output_dir and hasattr(args, "resume") and not getattr(args, "overwrite_output_dir", False):
         if os.path.isfile(os.path.join(output_dir, RUN_MARKER)):

@@ -448,7 +448,7 @@ class CertificateConfig:
                                             type=float)
     save_rollouts: int = setting(0, "step 3: write every N-th step's batch (tokens, masks, log-probs, rewards, "
                                     "advantages, ratios, clip flags, weight version) to OUTPUT_DIR/rollouts, for "
-                                    "python -m chatrl.inspect and chatrl.replay (0: off)", unit="steps")
+                                    "python -m chatrl.inspector and chatrl.replay (0: off)", unit="steps")
 
 
 # ------------------------------------------------------------------------------------- generation

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from chatrl.config import HybridEngineConfig
 from chatrl.dist import DistInfo, all_reduce_sum
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import family_of
@@ -58,8 +59,10 @@ def inference_engine(model) -> HybridEngine:
     intra-op thread count is left as it is (``OMP_NUM_THREADS``, ``torch.set_num_threads``).
     """
     if hasattr(model, "zero_optimization_stage"):
-        return HybridEngine(model, enable=False, num_threads=torch.get_num_threads(), pin_threads=False)
-    return HybridEngine(_Unpartitioned(model), enable=family_of(base_model(model)) is not None,
+        return HybridEngine(model, HybridEngineConfig(enable_hybrid_engine=False),
+                            num_threads=torch.get_num_threads(), pin_threads=False)
+    served = family_of(base_model(model)) is not None
+    return HybridEngine(_Unpartitioned(model), HybridEngineConfig(enable_hybrid_engine=served),
                         num_threads=torch.get_num_threads(), pin_threads=False)
 
 

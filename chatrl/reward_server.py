@@ -24,8 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.precision import DTYPE_CHOICES
-from chatrl.rewards import FunctionReward, WeightedReward, decode_request, split_weight
-from chatrl.rewards.model import TextRewardModel
+from chatrl.rewards import RewardContext, WeightedReward, decode_request, kinds
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.reward_fn and not args.reward_model:
         parser.error("give --reward_fn and/or --reward_model")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    parts = []
-    if args.reward_model:
-
-        parts.append((args.reward_model_weight, TextRewardModel(args.reward_model, args.max_seq_len,
-                                                                args.batch_size, args.dtype)))
-    for spec in args.reward_fn:
-        w, target = split_weight(spec, "--reward_fn")
-        parts.append((w, FunctionReward(target)))
-    server = make_server(WeightedReward(parts), args.host, args.port)
+    context = RewardContext(max_seq_len=args.max_seq_len, batch_size=args.batch_size, dtype=args.dtype)
+    settings = config.RewardConfig(reward_fn=args.reward_fn)  # each value built by its kind
+    model = ([(args.reward_model_weight, kinds.KINDS["model"].source(args.reward_model, settings, context))]
+             if args.reward_model else [])
+    server = make_server(WeightedReward(model + kinds.sources(settings, context)), args.host, args.port)
     host, port = server.server_address[:2]
     print(f"serving on http://{host}:{port}/", flush=True)
     try:

@@ -17,13 +17,15 @@ Every N-th step writes ``OUTPUT_DIR/rollouts/step_NNNNNN/``:
   logged metrics.
 
 :func:`write_step` writes (every rank its own file; ``index.json`` last, so a folder with it is
-complete), :func:`read_step` reads back; ``python -m chatrl.inspect`` draws them and
-``python -m chatrl.replay`` trains on them again.
+complete), :func:`read_step` reads back; ``python -m chatrl.inspector`` draws them and
+``python -m chatrl.replay`` trains on them again, comparing what it computes with what was recorded
+(:func:`compare_rank`, :func:`compare_figures`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -119,3 +121,64 @@ def read_step(output_dir: str | os.PathLike, step: int) -> tuple[dict, list[dict
         side = json.loads((folder / f"rank{r}.json").read_text())
         ranks.append({"tensors": load_file(str(folder / f"rank{r}.safetensors")), **side})
     return index, ranks
+
+
+#: The quantities a replay compares per token, in the order they are computed (the first differing one
+#: is named).
+PER_TOKEN = ("ref_logp", "logp", "entropy", "values", "kl", "rewards", "advantages", "returns", "is_weights")
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _first_difference(name: str, recorded: torch.Tensor, replayed: torch.Tensor | None, atol: float):
+    """None when equal (within ``atol``), else ``(where, recorded value, replayed value)``."""
+    if replayed is None:
+        return ("missing in the replay", "", "")
+    a, b = recorded.float().cpu(), replayed.detach().float().cpu()
+    if a.shape != b.shape:
+        return (f"shape {tuple(a.shape)} vs {tuple(b.shape)}", "", "")
+    diff = (a - b).abs()
+    bad = ~(diff <= atol) & ~(torch.isnan(a) & torch.isnan(b))
+    if not bad.any():
+        return None
+    at = tuple(int(i) for i in bad.nonzero()[0])
+    return (f"at {at} ({int(bad.sum())} of {bad.numel()} elements differ)", float(a[at]), float(b[at]))
+
+
+def compare_rank(rank_record: dict, exp, trace: dict, atol: float) -> list[tuple[int, str]]:
+    """This rank's differences between its record and the replayed experience ``exp`` (step 3's
+    ``Experience``: the attributes of :data:`PER_TOKEN`) and training trace (``ratio``, ``clip``), as
+    ``(order, message)`` (order: computation order of the quantity)."""
+    out, t = [], rank_record["tensors"]
+    names = [*PER_TOKEN, "ratio", "clip"]
+    for order, name in enumerate(names):
+        if name not in t:
+            continue
+        replayed = getattr(exp, name, None) if name in PER_TOKEN else (
+            torch.stack(trace[name]) if trace.get(name) else None)
+        d = _first_difference(name, t[name], replayed, atol)
+        if d:
+            out.append((order + 1, f"{name} on rank {_rank()} {d[0]}: recorded {d[1]!r}, replayed {d[2]!r}"))
+    return out
+
+
+def compare_figures(figures: dict, trace: dict, metrics: dict, atol: float) -> list[tuple[int, str]]:
+    """The step's global figures (rank 0's view): gradient norms per optimizer step, then the losses."""
+    out, base = [], len(PER_TOKEN) + 3
+    for order, key in enumerate(("actor_grad_norm", "critic_grad_norm")):
+        rec, got = list(figures.get(key) or []), list(trace.get(key) or [])
+        if len(rec) != len(got):
+            out.append((base + order, f"{key}: {len(rec)} optimizer steps recorded, {len(got)} replayed"))
+            continue
+        for i, (a, b) in enumerate(zip(rec, got, strict=True)):
+            if not abs(a - b) <= atol:
+                out.append((base + order, f"{key} of optimizer step {i + 1}: recorded {a!r}, replayed {b!r}"))
+                break
+    for order, key in enumerate(("actor_loss", "critic_loss")):
+        a, b = figures.get(key), metrics.get(key)
+        same = b is not None and (abs(a - b) <= atol or (math.isnan(a) and math.isnan(b)))
+        if a is not None and not same:
+            out.append((base + 2 + order, f"{key}: recorded {a!r}, replayed {b!r}"))
+    return out

@@ -2,9 +2,10 @@
 
 Batch sizes (:class:`BatchSizes`: per device, gradient accumulation, ranks, global batch), the
 length of a step-1/2 run in optimizer steps (:func:`plan_steps` → :class:`StepPlan`) and every
-size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`; multi-turn episodes: :func:`plan_episodes`). A training loop reads its plan and
-never re-derives a count; a size that does not fit raises ``ValueError`` here, naming the flags
-and a fix, before any model is loaded. Pure arithmetic: no DeepSpeed, no model.
+size of a step-3 run (:func:`plan_ppo` → :class:`PPOPlan`; multi-turn episodes:
+:func:`plan_episodes`). A training loop reads its plan and never re-derives a count; a size that
+does not fit raises ``ValueError`` here, naming the flags and a fix, before any model is loaded.
+Pure arithmetic: no DeepSpeed, no model.
 
 Settings whose default depends on the run's length are unset (``None``) in their blocks, and the
 plan computes their effective value: the warm-up (:func:`warmup_steps`), step 3's KL horizon and
@@ -18,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from chatrl.config import OptimConfig, PackingConfig, PPOConfig, RolloutConfig
 from chatrl.errors import UsageError
-from chatrl.rl.algorithms import Algorithm
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES
 
 
@@ -87,14 +88,16 @@ def plan_steps(n_batches: int, n_samples: int, batch: BatchSizes, num_train_epoc
     steps_per_epoch = n_batches // batch.gradient_accumulation_steps
     if steps_per_epoch == 0:
         raise UsageError(f"{n_samples} training {what} give no full optimizer step of global batch "
-                         f"{batch.global_batch}; lower --per_device_train_batch_size or --gradient_accumulation_steps")
+                         f"{batch.global_batch}; lower --per_device_train_batch_size or "
+                         "--gradient_accumulation_steps")
     total = steps_per_epoch * num_train_epochs
     if max_steps:
         total = min(total, max_steps)
     warmup, note = warmup_steps(num_warmup_steps, default_warmup, total, "optimizer steps")
     cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} optimizer steps, when its "
            f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_samples} {what} ran out "
-           f"(--num_train_epochs, or more data, for a longer run)" if max_steps and total < max_steps else None)
+           f"(--num_train_epochs, or more data, for a longer run)"
+           if max_steps and total < max_steps else None)
     return StepPlan(steps_per_epoch, total, warmup, (note,) if note else (), cap)
 
 
@@ -117,13 +120,13 @@ def warmup_steps(given: float | None, default: int, total: int, unit: str) -> tu
         return used, (f"--num_warmup_steps unset: the default {default} is longer than a tenth of this run "
                       f"({total} {unit}); using {used}. Set it to choose another")
     if given < 0 or (given >= 1 and given != int(given)):
-        raise UsageError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a fraction "
-                         "of the run below 1, e.g. 0.1)")
+        raise UsageError(f"--num_warmup_steps {given:g} must be >= 0 and a whole number of steps (or a "
+                         "fraction of the run below 1, e.g. 0.1)")
     if given < 1:
         return (min(math.ceil(given * total), total - 1) if given else 0), None
     if given >= total:
-        raise UsageError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); lower "
-                         "--num_warmup_steps (or give a fraction of the run, e.g. 0.1) or train longer "
+        raise UsageError(f"--num_warmup_steps {int(given)} must be shorter than the run ({total} {unit}); "
+                         "lower --num_warmup_steps (or give a fraction of the run, e.g. 0.1) or train longer "
                          "(--num_train_epochs, --max_steps)")
     return int(given), None
 
@@ -147,20 +150,61 @@ class PPOPlan:
     actor_steps: int  # optimizer steps of the actor over the run (doubled by the PTX loss)
     num_warmup_steps: int
     layout: dict  # which rollouts each rank makes at each step, by flag (recorded in checkpoints)
+    loss_agg_mode: str = "token-mean"  # the policy loss's aggregation (:func:`loss_aggregation`)
     kl_horizon: float = KL_HORIZON  # the adaptive KL controller's horizon (rollouts)
     print_answers_interval: int = PRINT_ANSWERS_INTERVAL  # steps between recorded rollouts
     notes: tuple[str, ...] = ()  # what adapted to the run (print once)
     cap_note: str | None = None  # the run ends before --max_steps: said once at its end
 
 
-def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_device_generation_batch_size: int,
-             per_device_training_batch_size: int, generation_batches: int, ppo_epochs: int,
-             gradient_accumulation_steps: int, num_train_epochs: int, max_steps: int, num_warmup_steps: float | None,
-             ptx: bool, algorithm: Algorithm, num_samples_per_prompt: int = 1,
-             loss_agg_mode: str = "token-mean", kl_horizon: float | None = None,
-             adaptive_kl: bool = False, print_answers_interval: int | None = None,
-             max_tokens_per_micro_batch: int = 0) -> PPOPlan:
-    """Step 3's sizes from its flags. ``n_generation_batches``: full prompt batches per rank and epoch.
+@dataclass(frozen=True)
+class PromptCounts:
+    """What step 3's data and launch give its planner: ``n_generation_batches`` full prompt batches per
+    rank and epoch (the prompt loader's length), ``n_prompts`` prompts, ``world_size`` ranks."""
+
+    n_generation_batches: int
+    n_prompts: int
+    world_size: int
+
+
+def loss_aggregation(ppo: PPOConfig, optim: OptimConfig, packing: PackingConfig,
+                     ptx: bool) -> tuple[str, str | None]:
+    """The policy loss's aggregation of a step-3 run (:data:`chatrl.rl.loss.LOSS_AGG_MODES`) and a note
+    when an unset ``--loss_agg_mode`` adapted (None otherwise); ``ppo`` (the PPO block) is not changed.
+
+    Unset, it is the algorithm's default, except in two cases where that default does not fit:
+
+    * with ``--max_tokens_per_micro_batch``, ``micro-batch-token-mean`` (which weighs a token by the
+      number of tokens sharing its micro-batch, so micro-batches cut by token budget would change the
+      gradient) becomes ``token-mean``, a global mode (:mod:`chatrl.rl.loss`);
+    * the PTX loss with ``--gradient_accumulation_steps`` > 1 needs a per-micro-batch aggregation:
+      ``micro-batch-token-mean``.
+
+    A given ``--loss_agg_mode`` is kept (:func:`plan_ppo` refuses ``micro-batch-token-mean`` with a
+    token budget).
+    """
+    algorithm, mode = ppo.algorithm, ppo.loss_aggregation
+    if packing.max_tokens_per_micro_batch and mode == "micro-batch-token-mean" and ppo.loss_agg_mode is None:
+        return "token-mean", (
+            "--max_tokens_per_micro_batch: the loss aggregation is token-mean (every action token of an "
+            "optimizer step weighs the same, whatever the micro-batches) instead of "
+            f"{ppo.rl_algorithm}'s default micro-batch-token-mean, whose weights depend on the micro-batches")
+    if (ppo.loss_agg_mode is None and ptx and algorithm.loss_agg_mode != "micro-batch-token-mean"
+            and optim.gradient_accumulation_steps > 1):
+        return "micro-batch-token-mean", (
+            "the PTX loss with --gradient_accumulation_steps > 1 needs a per-micro-batch aggregation: "
+            "--loss_agg_mode micro-batch-token-mean is used (the policy and value losses then depend on the "
+            "micro-batch split; see docs/ppo.md)")
+    return mode, None
+
+
+def plan_ppo(counts: PromptCounts, rollout: RolloutConfig, ppo: PPOConfig, optim: OptimConfig,
+             packing: PackingConfig, ptx: bool) -> PPOPlan:
+    """Step 3's sizes from its blocks: the rollout block (generation batch, generation batches per
+    buffer, report interval), the PPO block (training micro-batch, PPO epochs, the algorithm and its
+    group size, loss aggregation, KL horizon), the actor's optimizer block (gradient accumulation,
+    epochs, ``--max_steps``, warm-up) and the packing block (token budget); ``counts`` are the data's
+    and the launch's, ``ptx`` whether the PTX loss is on (``--unsupervised_dataset_name``).
 
     Each prompt gives ``num_samples_per_prompt`` answers (a group, kept whole on one rank and in
     one buffer), so a generation batch holds ``per_device_generation_batch_size × N`` rollouts; the
@@ -187,6 +231,8 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     (the step settings adapt an unset one) and the PTX loss, whose micro-steps interleave the
     policy's, is not supported.
 
+    The loss aggregation is :func:`loss_aggregation`'s (its note, if any, is the first of ``notes``).
+
     Raises:
         UsageError: a size below 1, a group smaller than the algorithm needs, an inexact division (a
             generation batch not made of whole micro-batches; a buffer not made of whole optimizer
@@ -194,12 +240,26 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
             ``kl_horizon`` <= 0 or a ``print_answers_interval`` < 1; the message names the flags
             and a fix.
     """
+    n_generation_batches, n_prompts, world_size = (counts.n_generation_batches, counts.n_prompts,
+                                                   counts.world_size)
+    per_device_generation_batch_size, generation_batches = rollout.per_device_generation_batch_size, \
+        rollout.generation_batches
+    per_device_training_batch_size, ppo_epochs = ppo.per_device_training_batch_size, ppo.ppo_epochs
+    gradient_accumulation_steps, num_train_epochs = optim.gradient_accumulation_steps, optim.num_train_epochs
+    max_steps, num_warmup_steps = optim.max_steps, optim.num_warmup_steps
+    algorithm, num_samples_per_prompt = ppo.algorithm, ppo.samples_per_prompt
+    kl_horizon, adaptive_kl, print_answers_interval = ppo.kl_horizon, ppo.kl_ctl == "adaptive", \
+        rollout.print_answers_interval
+    max_tokens_per_micro_batch = packing.max_tokens_per_micro_batch
+    loss_agg_mode, adapted = loss_aggregation(ppo, optim, packing, ptx)
     for flag, v in (("per_device_generation_batch_size", per_device_generation_batch_size),
                     ("per_device_training_batch_size", per_device_training_batch_size),
                     ("generation_batches", generation_batches), ("ppo_epochs", ppo_epochs),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
-                    ("num_train_epochs", num_train_epochs), ("num_samples_per_prompt", num_samples_per_prompt),
-                    ("print_answers_interval", 1 if print_answers_interval is None else print_answers_interval)):
+                    ("num_train_epochs", num_train_epochs),
+                    ("num_samples_per_prompt", num_samples_per_prompt),
+                    ("print_answers_interval",
+                     1 if print_answers_interval is None else print_answers_interval)):
         if v < 1:
             raise UsageError(f"--{flag} must be >= 1, got {v}")
     if kl_horizon is not None and not kl_horizon > 0:
@@ -213,35 +273,37 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     if per_generation % per_device_training_batch_size:
         times_n = (f" × --num_samples_per_prompt {num_samples_per_prompt} = {per_generation} rollouts"
                    if num_samples_per_prompt > 1 else "")
-        raise UsageError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} is not a "
-                         f"multiple of --per_device_training_batch_size {per_device_training_batch_size}: each rollout "
-                         "batch must split into whole training micro-batches; make the generation batch a multiple "
-                         "of the "
-                         "training one")
+        raise UsageError(f"--per_device_generation_batch_size {per_device_generation_batch_size}{times_n} "
+                         "is not a multiple of --per_device_training_batch_size "
+                         f"{per_device_training_batch_size}: each rollout batch must split into whole "
+                         "training micro-batches; make the generation batch a multiple of the training one")
     micro_per_gen = per_generation // per_device_training_batch_size
     micro_per_buffer = generation_batches * ppo_epochs * micro_per_gen
     if global_mode and (generation_batches * micro_per_gen) % gradient_accumulation_steps:
         raise UsageError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
                          f"{generation_batches * micro_per_gen} micro-batches of one pass over a buffer "
-                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per generation "
-                         f"batch): with --loss_agg_mode {loss_agg_mode} an optimizer step would straddle two passes; "
-                         "choose a divisor")
+                         f"(--generation_batches {generation_batches} x {micro_per_gen} micro-batches per "
+                         f"generation batch): with --loss_agg_mode {loss_agg_mode} an optimizer step would "
+                         "straddle two passes; choose a divisor")
     if micro_per_buffer % gradient_accumulation_steps:
         raise UsageError(f"--gradient_accumulation_steps {gradient_accumulation_steps} does not divide the "
-                         f"{micro_per_buffer} training micro-batches of an experience buffer (--generation_batches "
-                         f"{generation_batches} x --ppo_epochs {ppo_epochs} x {micro_per_gen} micro-batches per "
-                         "generation batch): an optimizer step would straddle two buffers; choose a divisor")
+                         f"{micro_per_buffer} training micro-batches of an experience buffer "
+                         f"(--generation_batches {generation_batches} x --ppo_epochs {ppo_epochs} x "
+                         f"{micro_per_gen} micro-batches per generation batch): an optimizer step would "
+                         "straddle two buffers; choose a divisor")
     if max_tokens_per_micro_batch and not global_mode:
-        raise UsageError(f"--max_tokens_per_micro_batch needs a global --loss_agg_mode ({', '.join(GLOBAL_LOSS_AGG_MODES)}), "
-                         f"got {loss_agg_mode}: a per-micro-batch mean depends on how the step is cut")
+        raise UsageError("--max_tokens_per_micro_batch needs a global --loss_agg_mode "
+                         f"({', '.join(GLOBAL_LOSS_AGG_MODES)}), got {loss_agg_mode}: a per-micro-batch mean "
+                         "depends on how the step is cut")
     if max_tokens_per_micro_batch and ptx:
-        raise UsageError("--max_tokens_per_micro_batch does not combine with the PTX loss (--unsupervised_dataset_name): "
-                         "its micro-steps interleave the policy's; drop one of them")
+        raise UsageError("--max_tokens_per_micro_batch does not combine with the PTX loss "
+                         "(--unsupervised_dataset_name): its micro-steps interleave the policy's; drop one "
+                         "of them")
     if ptx and global_mode and gradient_accumulation_steps > 1:
-        raise UsageError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} needs "
-                         f"--gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX micro-step "
-                         "follows every policy micro-batch, so an accumulated actor step would hold fewer policy "
-                         "micro-batches than its loss normaliser counts")
+        raise UsageError(f"the PTX loss (--unsupervised_dataset_name) with --loss_agg_mode {loss_agg_mode} "
+                         f"needs --gradient_accumulation_steps 1 (got {gradient_accumulation_steps}): a PTX "
+                         "micro-step follows every policy micro-batch, so an accumulated actor step would "
+                         "hold fewer policy micro-batches than its loss normaliser counts")
     buffers_per_epoch = n_generation_batches // generation_batches
     if buffers_per_epoch == 0:
         raise UsageError(f"{n_prompts} step-3 prompts give no experience buffer of {generation_batches} x "
@@ -253,9 +315,10 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     policy_steps = total * micro_per_buffer // gradient_accumulation_steps
     actor_steps = policy_steps * (2 if ptx else 1)
     critic_steps = policy_steps if algorithm.needs_critic else 0
-    warmup, note = warmup_steps(num_warmup_steps, PPO_WARMUP_STEPS, policy_steps,
-                                "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
-    notes = [note] if note else []
+    warmup, note = warmup_steps(
+        num_warmup_steps, PPO_WARMUP_STEPS, policy_steps,
+        "critic optimizer steps" if algorithm.needs_critic else "actor optimizer steps")
+    notes = [n for n in (adapted, note) if n]
     rollouts_per_buffer = generation_batches * per_generation * world_size
     horizon = kl_horizon
     if horizon is None:
@@ -267,16 +330,19 @@ def plan_ppo(n_generation_batches: int, n_prompts: int, world_size: int, per_dev
     if interval is None:
         interval = max(1, min(PRINT_ANSWERS_INTERVAL, total // 4))
         if interval < PRINT_ANSWERS_INTERVAL:
-            notes.append(f"--print_answers_interval unset: a rollout is recorded every {interval} step(s) of this "
-                         f"{total}-step run (default {PRINT_ANSWERS_INTERVAL})")
+            notes.append(f"--print_answers_interval unset: a rollout is recorded every {interval} step(s) of "
+                         f"this {total}-step run (default {PRINT_ANSWERS_INTERVAL})")
     layout = {"world_size": world_size, "gradient_accumulation_steps": gradient_accumulation_steps,
               "per_device_generation_batch_size": per_device_generation_batch_size,
-              "generation_batches": generation_batches, "per_device_training_batch_size": per_device_training_batch_size}
-    cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} steps (experience buffers), when its "
-           f"{num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_prompts} prompts ran out "
-           "(--num_train_epochs, or more prompts, for a longer run)" if max_steps and total < max_steps else None)
-    return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer, critic_steps,
-                   actor_steps, warmup, layout, horizon, interval, tuple(notes), cap)
+              "generation_batches": generation_batches,
+              "per_device_training_batch_size": per_device_training_batch_size}
+    cap = (f"--max_steps {max_steps} is a cap: this run ended after {total} steps (experience buffers), "
+           f"when its {num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''} of {n_prompts} prompts "
+           "ran out (--num_train_epochs, or more prompts, for a longer run)"
+           if max_steps and total < max_steps else None)
+    return PPOPlan(buffers_per_epoch, total, rollouts_per_buffer, micro_per_gen, micro_per_buffer,
+                   critic_steps, actor_steps, warmup, layout, loss_agg_mode, horizon, interval, tuple(notes),
+                   cap)
 
 
 #: ``--max_turns`` when ``--env`` is given without it.
@@ -305,8 +371,9 @@ def plan_episodes(max_prompt_seq_len: int, max_answer_seq_len: int, max_turns: i
     turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
     if turns < 1:
         raise UsageError(f"--max_turns must be >= 1, got {turns}")
-    total = max_prompt_seq_len + (2 * turns - 1) * max_answer_seq_len if max_total_tokens is None else max_total_tokens
+    total = (max_prompt_seq_len + (2 * turns - 1) * max_answer_seq_len if max_total_tokens is None
+             else max_total_tokens)
     if total <= max_prompt_seq_len:
-        raise UsageError(f"--max_total_tokens {total} leaves no room for an answer after --max_prompt_seq_len "
-                         f"{max_prompt_seq_len}")
+        raise UsageError(f"--max_total_tokens {total} leaves no room for an answer after "
+                         f"--max_prompt_seq_len {max_prompt_seq_len}")
     return EpisodePlan(turns, total, total - 1)

@@ -4,7 +4,9 @@ Two kinds share one entry point, :func:`compare`:
 
 * a **pointwise** judge scores each answer alone, ``judge.score(prompts, answers) -> N floats``
   (:class:`RewardModelJudge`, the built-in: a chatrl / HF sequence-classification reward model; or
-  :class:`FunctionJudge` over a reward function ``f(prompts, answers, metadata)``); B beats A when
+  :class:`FunctionJudge` over a reward function ``f(prompts, answers, metadata)``; or
+  :class:`SourceJudge` over the source of any other registered reward kind, :mod:`chatrl.rewards.kinds`,
+  a reward server say); B beats A when
   its score is higher (:func:`chatrl.eval.stats.outcome`, ties within ``--tie_margin`` count half);
 * a **pairwise** judge reads both answers at once, ``judge.prefer(prompts, first, second) -> N
   probabilities that the first is better`` (a function marked ``f.pairwise = True``, e.g. an LLM
@@ -26,11 +28,14 @@ from typing import Protocol
 
 import numpy as np
 
+from chatrl.config import RewardConfig
 from chatrl.data.formatting import format_prompt
 from chatrl.data.schema import Sample
 from chatrl.errors import UsageError
 from chatrl.eval.stats import outcome
 from chatrl.reward_model import MissingRewardHeadError, encode_rows, score_sequences
+from chatrl.rewards import kinds
+from chatrl.rewards.base import RewardBatch, RewardError, check_scores
 from chatrl.rewards.function import BUILTIN_REWARD_FNS, load_reward_fn
 from chatrl.rewards.model import TextRewardModel
 
@@ -151,20 +156,56 @@ class FunctionJudge:
         return self._values(values, len(first), 0.0, 1.0)
 
 
-def load_judge(spec: str, flag: str, max_seq_len: int = 512, batch_size: int = 16, dtype: str = "fp32",
-               device=None) -> PointwiseJudge | PairwiseJudge:
-    """The judge named by ``--judge`` / ``--gold_judge``: a folder is a reward model (:class:`RewardModelJudge`),
-    ``X:function`` a :class:`FunctionJudge`.
+class SourceJudge:
+    """The source of any reward kind (:mod:`chatrl.rewards.kinds`: a reward server, a user's kind) as a
+    pointwise judge: each answer scored with the prompt as a Human/Assistant transcript (:func:`transcript`)
+    and its row's metadata, as :class:`FunctionJudge` calls a function.
+
+    Args:
+        kind: the kind that claimed ``spec``. spec: the flag's value. flag: the flag, for messages.
+        context: what the kind may build its source from (:class:`chatrl.rewards.kinds.RewardContext`).
 
     Raises:
-        UsageError: neither an existing folder nor ``module:function``, or the judge cannot be loaded.
+        UsageError: at call time, the source failed or returned bad scores (names the flag and the value).
     """
-    if Path(spec).is_dir():
+
+    def __init__(self, kind: kinds.RewardKind, spec: str, flag: str, context: kinds.RewardContext):
+        self.source = kind.source(spec, RewardConfig(), context)
+        self.flag, self.spec, self.name = flag, spec, getattr(self.source, "name", kind.name)
+        self.metadata: dict[str, dict] = {}  # conversation_key(prompt) → its row's metadata
+
+    def score(self, prompts: Sequence[Conversation], answers: Sequence[str]) -> list[float]:
+        """The source's score of each answer."""
+        batch = RewardBatch([transcript(p) for p in prompts], list(answers),
+                            [dict(self.metadata.get(conversation_key(p), {})) for p in prompts])
+        try:
+            return check_scores(self.source(batch), len(answers), f"{self.flag} {self.spec}").tolist()
+        except RewardError as e:
+            raise UsageError(str(e)) from None
+
+
+def load_judge(spec: str, flag: str, max_seq_len: int = 512, batch_size: int = 16, dtype: str = "fp32",
+               device=None) -> PointwiseJudge | PairwiseJudge:
+    """The judge named by ``--judge`` / ``--gold_judge``, by the reward kind that claims it
+    (:func:`chatrl.rewards.kinds.find`): a folder is a reward model (:class:`RewardModelJudge`), a
+    function or built-in a :class:`FunctionJudge`, any other kind's value a :class:`SourceJudge`.
+
+    Raises:
+        UsageError: no kind claims ``spec`` (a missing folder, say), or the judge cannot be loaded.
+    """
+    kind = kinds.find(spec)
+    if kind is None:
+        own = [f"{k}:..." for k in kinds.names() if k not in ("function", "builtin", "http", "model")]
+        raise UsageError(f"{flag} {spec}: no such folder; a judge is a reward-model folder (step 2's "
+                         "output), module:function / file.py:function or a built-in reward "
+                         f"({', '.join(BUILTIN_REWARD_FNS)})"
+                         + (f" or a registered reward kind's value ({', '.join(own)})" if own else ""))
+    if kind.name == "model":
         return RewardModelJudge(spec, flag, max_seq_len, batch_size, dtype, device)
-    if ":" in spec or spec in BUILTIN_REWARD_FNS:
+    if isinstance(kind, kinds.FunctionKind):
         return FunctionJudge(spec, flag)
-    raise UsageError(f"{flag} {spec}: no such folder; a judge is a reward-model folder (step 2's output), "
-                     f"module:function / file.py:function or a built-in reward ({', '.join(BUILTIN_REWARD_FNS)})")
+    return SourceJudge(kind, spec, flag, kinds.RewardContext(max_seq_len=max_seq_len, batch_size=batch_size,
+                                                             dtype=dtype, device=device))
 
 
 def conversation_key(conversation: Conversation) -> str:

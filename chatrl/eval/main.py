@@ -35,7 +35,6 @@ from chatrl.eval import ANSWERS_FILE, EVAL_FILE
 from chatrl.eval.answers import Reference, answer_prompts, decodings, encode_eval_prompts
 from chatrl.eval.inputs import expand_models, load_model_tokenizer, load_prompts
 from chatrl.eval.judges import (
-    FunctionJudge,
     ScoreCache,
     conversation_key,
     is_pairwise,
@@ -203,7 +202,7 @@ def judge_pairs(s: EvalSettings, candidates, prompts, answers, names, device) ->
     judges = {k: load_judge(v, f"--{'judge' if k == 'judge' else 'gold_judge'}", e.judge_max_seq_len,
                             e.judge_batch_size, s.model.dtype, device) for k, v in specs.items() if v}
     for judge in judges.values():  # a function judge reads each prompt row's metadata (exact_match: its reference)
-        if isinstance(judge, FunctionJudge):
+        if hasattr(judge, "metadata"):
             judge.metadata = {conversation_key(p.messages): p.metadata or {} for p in prompts}
     caches = {k: ScoreCache(j) for k, j in judges.items() if not is_pairwise(j)}
     for cache in caches.values():  # every answer scored once, in one pass per judge

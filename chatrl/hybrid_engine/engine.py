@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from chatrl.config import HybridEngineConfig
 from chatrl.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
@@ -84,20 +85,20 @@ class HybridEngine:
     Args:
         actor_engine: a ``deepspeed.DeepSpeedEngine`` whose ``.module`` is an HF causal LM, possibly
             a peft ``PeftModel`` with LoRA adapters, under ZeRO stage 0–3.
-        enable: ``--enable_hybrid_engine``; off, :meth:`generate` is HF ``generate`` on the training
-            module (``synced_gpus`` under ZeRO-3 so that ranks finishing early keep serving gathers).
-        inference_tp_size: ranks per tensor-parallel group (``--inference_tp_size``); must divide the
-            world size, the attention (and KV) head counts and the FFN width.
-        tp_gather_partition_size: decoder layers per ZeRO-3 all-gather (``--tp_gather_partition_size``).
-        release_inference_cache: free the inference copy on :meth:`exit_inference`
-            (``--release_inference_cache``); otherwise it is kept and refreshed in place.
+        settings: the hybrid engine's block (:class:`chatrl.config.HybridEngineConfig`):
+            ``enable_hybrid_engine``: off, :meth:`generate` is HF ``generate`` on the training module
+            (``synced_gpus`` under ZeRO-3 so that ranks finishing early keep serving gathers);
+            ``inference_tp_size``: ranks per tensor-parallel group, which must divide the world size,
+            the attention (and KV) head counts and the FFN width; ``tp_gather_partition_size``: decoder
+            layers per ZeRO-3 all-gather; ``release_inference_cache``: free the inference copy on
+            :meth:`exit_inference` (otherwise it is kept and refreshed in place);
+            ``debug_stale_weights`` (testing): once built, the inference copy is never refreshed,
+            although its version follows the actor's optimizer steps, as a sync that silently fails
+            would leave it; step 3's weight-version check must stop the run.
         num_threads: intra-op CPU threads per rank while generating; default: this process's CPUs
             divided by the ranks on the node. Ignored on CUDA.
         pin_threads: pin each rank to its own CPUs while generating (CPU only; default on when the
             node has a CPU per thread of every rank).
-        debug_stale_weights: testing (``--debug_stale_weights``): once built, the inference copy is
-            never refreshed, although its version follows the actor's optimizer steps, as a sync that
-            silently fails would leave it; step 3's weight-version check must stop the run.
 
     Every :meth:`generate` stamps the weights it generated with (:meth:`sampler_stamp`: their
     version and checksum, read from the model that decoded, :mod:`chatrl.weight_version`);
@@ -116,25 +117,23 @@ class HybridEngine:
     a collective over all ranks; decoding is collective within each tensor-parallel group).
     """
 
-    def __init__(self, actor_engine, *, enable: bool = True, inference_tp_size: int = 1,
-                 tp_gather_partition_size: int = 8, release_inference_cache: bool = False,
-                 num_threads: int | None = None, pin_threads: bool | None = None, debug_stale_weights: bool = False):
+    def __init__(self, actor_engine, settings: HybridEngineConfig, *, num_threads: int | None = None,
+                 pin_threads: bool | None = None):
 
         self.engine = actor_engine
         self.module = actor_engine.module
         self.hf = base_model(self.module)
         self.zero_stage = int(actor_engine.zero_optimization_stage())
         self.rank, self.world_size = _world()
-        if inference_tp_size < 1 or self.world_size % inference_tp_size:
-            raise ValueError(f"--inference_tp_size {inference_tp_size} must be >= 1 and divide the world size "
+        self.settings = settings
+        self.tp_size = settings.inference_tp_size
+        if self.tp_size < 1 or self.world_size % self.tp_size:
+            raise ValueError(f"--inference_tp_size {self.tp_size} must be >= 1 and divide the world size "
                              f"{self.world_size}")
-        self.tp_size = inference_tp_size
-        self.group_size = tp_gather_partition_size
-        self.release_inference_cache = release_inference_cache
         self.device = next(self.module.parameters()).device
         self.family = family_of(self.hf)
-        self.enabled = enable and self.family is not None
-        if enable and self.family is None:
+        self.enabled = settings.enable_hybrid_engine and self.family is not None
+        if settings.enable_hybrid_engine and self.family is None:
             warnings.warn(f"hybrid engine does not serve model_type {self.hf.config.model_type!r} "
                           f"(served: opt, llama, qwen2, mistral); generating with plain HF generate on the "
                           f"training layout instead", HybridEngineFallbackWarning, stacklevel=2)
@@ -151,7 +150,6 @@ class HybridEngine:
             self._tp_mesh, self._group = self._make_tp_group()
         self._threads, self._cpus = self._thread_plan(num_threads, pin_threads)
         self.fingerprint = WeightFingerprint(self.module)
-        self.debug_stale_weights = debug_stale_weights
         self._stamp: WeightStamp | int | None = None  # an int: the version of training weights not read yet
 
     # ------------------------------------------------------------------ layout
@@ -235,7 +233,7 @@ class HybridEngine:
             self.timings.update(gather=0.0, shard=0.0)
             self._in_inference = True
             return
-        if not self._is_stale() or (self.debug_stale_weights and self._copy is not None):
+        if not self._is_stale() or (self.settings.debug_stale_weights and self._copy is not None):
             self.timings.update(gather=0.0, shard=0.0)
             self._weights_step = self.engine.global_steps  # (the testing switch: a version that lies)
             self._in_inference = True
@@ -243,7 +241,8 @@ class HybridEngine:
         shard_s = 0.0
         if self._copy is None:
             t0 = time.perf_counter()
-            self._copy = InferenceCopy(self.module, self.device, self._tp_mesh, self.group_size)
+            self._copy = InferenceCopy(self.module, self.device, self._tp_mesh,
+                                       self.settings.tp_gather_partition_size)
             shard_s += time.perf_counter() - t0
         gather_s, fill_s = self._copy.refresh()
         self.timings.update(gather=gather_s, shard=shard_s + fill_s)
@@ -255,10 +254,10 @@ class HybridEngine:
         t0 = time.perf_counter()
         if self._direct and self._in_inference and self._was_training:
             self.module.train()
-        if self.release_inference_cache and self._copy is not None:
+        if self.settings.release_inference_cache and self._copy is not None:
             self._copy.release()
             self._copy = None
-        elif self.release_inference_cache:
+        elif self.settings.release_inference_cache:
             release_host_memory()
         self._in_inference = False
         self.timings["release"] = time.perf_counter() - t0

@@ -7,10 +7,14 @@
 - :class:`~chatrl.rewards.http.HttpReward`: a reward server over HTTP (``python -m chatrl.reward_server``);
 - :class:`~chatrl.rewards.base.EpisodeReward`: an environment's reward of multi-turn episodes (``--env``).
 
-:class:`~chatrl.rewards.base.WeightedReward` sums several; :func:`~chatrl.rewards.base.score_on_all_ranks`
+Each kind of source is a class registered in :mod:`chatrl.rewards.kinds`, which the flags, step 3,
+``train.py`` and the evaluation's judges read. :class:`~chatrl.rewards.base.WeightedReward` sums
+several; :func:`~chatrl.rewards.base.score_on_all_ranks`
 makes a failure on one rank an error on every rank instead of a hang.
 """
 
+from chatrl.config import RewardConfig
+from chatrl.rewards import kinds
 from chatrl.rewards.base import (
     EpisodeReward,
     ModelReward,
@@ -23,8 +27,9 @@ from chatrl.rewards.base import (
     score_on_all_ranks,
     split_weight,
 )
-from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, check_reward_metadata, load_reward_fn
+from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, load_reward_fn
 from chatrl.rewards.http import HttpReward, decode_request, decode_response, encode_request
+from chatrl.rewards.kinds import RewardContext, RewardKind, check_reward_metadata
 
 __all__ = [
     "BUILTIN_REWARD_FNS",
@@ -33,6 +38,8 @@ __all__ = [
     "HttpReward",
     "ModelReward",
     "RewardBatch",
+    "RewardContext",
+    "RewardKind",
     "RewardError",
     "RewardSource",
     "WeightedReward",
@@ -42,6 +49,7 @@ __all__ = [
     "decode_request",
     "decode_response",
     "encode_request",
+    "kinds",
     "load_reward_fn",
     "reward_batch_from_tokens",
     "score_on_all_ranks",
@@ -49,17 +57,16 @@ __all__ = [
 ]
 
 
-def build_reward(reward_fns=(), reward_urls=(), model: ModelReward | None = None, model_weight: float = 1.0, *,
-                 http_timeout: float = 60.0, http_retries: int = 2, http_batch_size: int = 256,
+def build_reward(settings: RewardConfig, context: RewardContext | None = None, model: str | None = None,
                  episodes: bool = False) -> WeightedReward:
-    """The weighted sum of the sources named on the command line.
+    """The weighted sum of the sources the run names, each built by its kind (:mod:`chatrl.rewards.kinds`).
 
     Args:
-        reward_fns: ``--reward_fn`` values, each ``[WEIGHT*]module:function`` (or a built-in name,
-            see :data:`BUILTIN_REWARD_FNS`, or ``path/to/file.py:function``).
-        reward_urls: ``--reward_url`` values, each ``[WEIGHT*]http://host:port/path``.
-        model: the reward-model source, if any, with weight ``model_weight``.
-        http_timeout, http_retries, http_batch_size: for every URL, see :class:`HttpReward`.
+        settings: the run's reward block: ``--reward_fn`` values (``[WEIGHT*]module:function``, a
+            built-in name, ``path/to/file.py:function`` or a registered kind's ``name:TARGET``),
+            ``--reward_url`` values (``[WEIGHT*]http://host:port/path``) and the HTTP settings.
+        context: what the program offers the kinds (step 3's reward engine); default: nothing.
+        model: the reward model to score with (weight 1; the ``model`` kind), or None.
         episodes: multi-turn episodes (``--env``): the environment's reward (:class:`EpisodeReward`,
             weight 1) comes first.
 
@@ -67,13 +74,8 @@ def build_reward(reward_fns=(), reward_urls=(), model: ModelReward | None = None
         ValueError: no source at all, a bad weight; ImportError/AttributeError/TypeError from
             :func:`load_reward_fn` (naming the spec).
     """
+    context = context or RewardContext()
     parts: list[tuple[float, RewardSource]] = [(1.0, EpisodeReward())] if episodes else []
     if model is not None:
-        parts.append((float(model_weight), model))
-    for spec in reward_fns:
-        w, target = split_weight(spec, "--reward_fn")
-        parts.append((w, FunctionReward(target)))
-    for spec in reward_urls:
-        w, target = split_weight(spec, "--reward_url")
-        parts.append((w, HttpReward(target, timeout=http_timeout, retries=http_retries, batch_size=http_batch_size)))
-    return WeightedReward(parts)
+        parts.append((1.0, kinds.KINDS["model"].source(model, settings, context)))
+    return WeightedReward(parts + kinds.sources(settings, context))

@@ -9,50 +9,18 @@ built-in name from :data:`BUILTIN_REWARD_FNS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from chatrl.errors import UsageError
 from chatrl.plugins import import_object
-from chatrl.rewards.base import RewardBatch, RewardFunctionError, check_scores, split_weight
+from chatrl.rewards.base import RewardBatch, RewardFunctionError, check_scores
 
 #: Short names of the built-in reward functions (``--reward_fn exact_match``).
 BUILTIN_REWARD_FNS = {
     "exact_match": "chatrl.rewards.builtin:exact_match",
     "regex_format": "chatrl.rewards.builtin:regex_format",
 }
-
-
-#: The prompt-row field a built-in reward cannot score an answer without (``docs/rewards.md``).
-REQUIRED_METADATA = {"exact_match": "reference"}
-
-
-def check_reward_metadata(reward_fns: Sequence[str], metadata: Sequence[dict | None], where: str) -> None:
-    """Refuse rule rewards whose field is missing from the prompt rows before any answer is generated:
-    ``exact_match`` on rows without a ``reference`` failed at step 1's scoring, after the models had
-    loaded, with a traceback per rank.
-
-    Args:
-        reward_fns: ``--reward_fn`` values (``[W*]spec``). metadata: each prompt row's metadata.
-        where: the rows' source, for the message (``--data_path a.jsonl``).
-
-    Raises:
-        UsageError: naming the reward, the field, how many rows lack it and the first such row.
-    """
-    names = {v: k for k, v in BUILTIN_REWARD_FNS.items()}
-    for spec in reward_fns:
-        target = split_weight(spec, "--reward_fn")[1]
-        name = names.get(target, target)
-        key = REQUIRED_METADATA.get(name)
-        if key is None:
-            continue
-        missing = [i for i, m in enumerate(metadata) if (m or {}).get(key) is None]
-        if missing:
-            raise UsageError(f"--reward_fn {name} scores each answer against its prompt row's \"{key}\", and "
-                             f"{len(missing)} of the {len(metadata)} step-3 prompt rows of {where} have none (row "
-                             f"{missing[0]} first): give prompt rows with a \"{key}\" (scripts/make_arith_task.py "
-                             "writes them; docs/rewards.md)")
 
 
 def load_reward_fn(spec: str) -> Callable:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,12 +38,12 @@ from chatrl.models import (
 from chatrl.packing import pack
 from chatrl.resilience import nonfinite_scores
 from chatrl.reward_model import save_reward_model
-from chatrl.rewards import ModelReward, WeightedReward, build_reward, check_reward_metadata
+from chatrl.rewards import ModelReward, RewardContext, WeightedReward, build_reward, check_reward_metadata
 from chatrl.rl import core
 from chatrl.rl.loss import check_rollout_is
 from chatrl.rl.stats import PooledStats
 from chatrl.run import Run, Saved, Schedule
-from chatrl.sizes import PPOPlan, plan_ppo
+from chatrl.sizes import PPOPlan, PromptCounts, plan_ppo
 from chatrl.step3_ppo.engine import RLHFEngines, build_engines, check_tokenizers_compatible, seed_rollouts
 from chatrl.step3_ppo.evidence import Step3Evidence
 from chatrl.step3_ppo.settings import Step3Settings
@@ -68,10 +68,7 @@ def make_generate(actor_engine, s: Step3Settings, tokenizer) -> tuple[HybridEngi
     ``(sequences, sampler log-probs of the sampled tokens)``. Its ``session`` attribute is
     :meth:`HybridEngine.inference`: a multi-turn rollout generates every turn inside one session
     (one switch of layout per rollout, not one per turn)."""
-    h = s.hybrid
-    hybrid = HybridEngine(actor_engine, enable=h.enable_hybrid_engine, inference_tp_size=h.inference_tp_size,
-                          tp_gather_partition_size=h.tp_gather_partition_size,
-                          release_inference_cache=h.release_inference_cache, debug_stale_weights=h.debug_stale_weights)
+    hybrid = HybridEngine(actor_engine, s.hybrid)
     sampling = sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)
 
     def turn(ids, mask):
@@ -109,19 +106,18 @@ def reward_model_scores(reward_engine, micro_batch: int, pad_token_id: int | Non
     return score_fn
 
 
-def make_reward(s: Step3Settings, reward_engine, score_fn=None, pad_token_id: int | None = None) -> WeightedReward:
-    """The weighted reward of every algorithm (:func:`chatrl.rewards.build_reward`): the reward model
-    (when loaded; on packed rows with ``pad_token_id``), ``--reward_fn`` functions and ``--reward_url``
-    servers. ``score_fn`` (a test hook, ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``)
-    replaces all of them."""
+def make_reward(s: Step3Settings, reward_engine, reward_path: str | None, score_fn=None,
+                pad_token_id: int | None = None) -> WeightedReward:
+    """The weighted reward of every algorithm (:func:`chatrl.rewards.build_reward`, each source built by
+    its kind): the reward model at ``reward_path`` scored by ``reward_engine`` (when loaded; on packed
+    rows with ``pad_token_id``), the ``--reward_fn`` and ``--reward_url`` values. ``score_fn`` (a test
+    hook, ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``) replaces all of them."""
     if score_fn is not None:
         return WeightedReward([(1.0, ModelReward(score_fn, name="score_fn"))])
-    model = (ModelReward(reward_model_scores(reward_engine, s.ppo.per_device_training_batch_size, pad_token_id))
-             if reward_engine is not None else None)
-    r = s.reward
-    return build_reward(r.reward_fn, r.reward_url, model, http_timeout=r.reward_http_timeout,
-                        http_retries=r.reward_http_retries, http_batch_size=r.reward_http_batch_size,
-                        episodes=bool(s.env.env))
+    scores = (reward_model_scores(reward_engine, s.ppo.per_device_training_batch_size, pad_token_id)
+              if reward_engine is not None else None)
+    return build_reward(s.reward, RewardContext(model_scores=scores),
+                        reward_path if scores is not None else None, episodes=bool(s.env.env))
 
 
 def episode_turns(exp, row: int) -> list[dict]:
@@ -190,12 +186,9 @@ def build(args, score_fn=None) -> Step3Run:
                   s.actor.trust_remote_code)
     if s.hybrid.enable_hybrid_engine and s.hybrid.inference_tp_size > 1:  # before any rank loads a model
         check_inference_tp(s.actor.model_name_or_path, s.hybrid.inference_tp_size, s.actor.trust_remote_code)
-    adapted = s.fit_loss_aggregation_to_token_budget()
     make_env = load_environment(s.env.env, s.env.env_args) if s.env.env else None
     seed = s.actor_optim.seed
     info = program.start(f"step 3 ({algorithm.name})", s.log, seed, s.ckpt)
-    if adapted and info.is_main:
-        log.info(adapted)
     tokenizer = load_tokenizer(s.actor.model_name_or_path, padding_side="left",
                                trust_remote_code=s.actor.trust_remote_code)
     check_startup(tokenizer, {**startup_conversations(s.data.data_path),
@@ -209,21 +202,9 @@ def build(args, score_fn=None) -> Step3Run:
                           f"--data_path {' '.join(s.data.data_path)}")
     loader = dist.seeded_loader(data.train, rollout.per_device_generation_batch_size,
                                 PromptCollator(tokenizer.pad_token_id, with_metadata=True), info, seed, drop_last=True)
-    if (s.ppo.loss_agg_mode is None and s.data.unsupervised_dataset_name and algorithm.loss_agg_mode != "micro-batch-token-mean"
-            and s.actor_optim.gradient_accumulation_steps > 1):  # a default that does not fit adapts, and says so
-        s.ppo.loss_agg_mode = "micro-batch-token-mean"
-        if info.is_main:
-            log.warning("the PTX loss with --gradient_accumulation_steps > 1 needs a per-micro-batch aggregation: "
-                        "--loss_agg_mode micro-batch-token-mean is used (the policy and value losses then depend on "
-                        "the micro-batch split; see docs/ppo.md)")
-    plan = plan_ppo(len(loader), len(data.train), info.world_size, rollout.per_device_generation_batch_size,
-                    s.ppo.per_device_training_batch_size, rollout.generation_batches, s.ppo.ppo_epochs,
-                    s.actor_optim.gradient_accumulation_steps, s.actor_optim.num_train_epochs,
-                    s.actor_optim.max_steps, s.actor_optim.num_warmup_steps, ptx=bool(s.data.unsupervised_dataset_name),
-                    algorithm=algorithm, num_samples_per_prompt=s.ppo.samples_per_prompt,
-                    loss_agg_mode=s.ppo.loss_aggregation, kl_horizon=s.ppo.kl_horizon,
-                    adaptive_kl=s.ppo.kl_ctl == "adaptive", print_answers_interval=rollout.print_answers_interval,
-                    max_tokens_per_micro_batch=s.packing.max_tokens_per_micro_batch)
+    # every derived size, and the loss aggregation where an unset default does not fit (said in plan.notes)
+    plan = plan_ppo(PromptCounts(len(loader), len(data.train), info.world_size), rollout, s.ppo,
+                    s.actor_optim, s.packing, ptx=bool(s.data.unsupervised_dataset_name))
     ptx_iter = None
     if s.data.unsupervised_dataset_name:
         unsup = phase_data(1, s.data, tokenizer, seed, data_paths=s.data.unsupervised_dataset_name,
@@ -240,10 +221,12 @@ def build(args, score_fn=None) -> Step3Run:
     hybrid, generate = make_generate(engines.actor, s, tokenizer)
     kl_ctl = (core.AdaptiveKLController(s.ppo.init_kl_coef, s.ppo.kl_target, plan.kl_horizon)
               if s.ppo.kl_ctl == "adaptive" else core.FixedKLController(s.ppo.init_kl_coef))
-    reward = make_reward(s, engines.reward, score_fn, tokenizer.pad_token_id if s.packing.packing else None)
+    reward = make_reward(s, engines.reward, reward_path, score_fn,
+                         tokenizer.pad_token_id if s.packing.packing else None)
     several = info.world_size > 1
-    trainer = Trainer(engines.actor, engines.reference, engines.critic, reward, generate, kl_ctl, s.ppo, tokenizer,
-                      gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
+    ppo = replace(s.ppo, loss_agg_mode=plan.loss_agg_mode)  # the PPO block with the planned aggregation
+    trainer = Trainer(engines.actor, engines.reference, engines.critic, reward, generate, kl_ctl, ppo,
+                      tokenizer, gradient_accumulation_steps=s.actor_optim.gradient_accumulation_steps,
                       world_size=info.world_size,
                       answer_len=episodes.max_region_tokens if episodes else rollout.max_answer_seq_len,
                       all_reduce_sum=dist.all_reduce_sum if several else None,

@@ -1,32 +1,18 @@
-"""Exact replay of a recorded step-3 training step.
-
-    python -m chatrl.replay OUTPUT --step N
-
-Reads the rollout record of step ``N`` (``--save_rollouts``, :mod:`chatrl.rollout_records`), builds
-the run again from its recorded flags, loads the checkpoint of step ``N - 1`` (the weights,
-optimizer states and KL coefficient the step started from; step 1 starts from the models as
-loaded), feeds each rank its recorded rollouts (tokens, sampler log-probs, scores and reward parts)
-through the trainer's experience and learning passes (:func:`chatrl.step3_ppo.main.learn_from`),
-and compares, in the order they are computed: the weight stamps of the rollouts against the
-checkpoint's weights, the reference log-probs, the trainer's log-probs, the entropy, the values,
-the KL, the per-token rewards, the advantages, the returns, the importance weights, the ratios and
-clip flags of every PPO epoch, the gradient norm of every actor and critic optimizer step, and the
-step's actor and critic losses. Equal (bit for bit by default, ``--atol`` to loosen) prints the
-figures and exits 0; otherwise the first differing quantity is named, with where and both values,
-and the exit code is 1.
-
-Run it as it is: a record of several ranks is replayed under ``torch.distributed.run`` with the
-same number of ranks (started by the command itself). The replay writes its own logs under
-``OUTPUT/replay/step_N``; the run's folder is left as it was.
+"""Step 3's side of ``python -m chatrl.replay`` (:mod:`chatrl.replay`, which documents the command and
+starts this program on each rank of the record): builds the run again from its recorded flags, loads
+the checkpoint of step ``N - 1`` (the weights, optimizer states and KL coefficient the step started
+from; step 1 starts from the models as loaded), feeds each rank its recorded rollouts (tokens, sampler
+log-probs, scores and reward parts) through the trainer's experience and learning passes
+(:func:`chatrl.step3_ppo.main.learn_from`) and compares what they compute with the record
+(:func:`chatrl.rollout_records.compare_rank`, :func:`chatrl.rollout_records.compare_figures`). The
+replay writes its own logs under ``OUTPUT/replay/step_N``; the run's folder is left as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,13 +21,10 @@ import torch
 from chatrl import cli, config, dist
 from chatrl.checkpoint import CHECKPOINT_DIR
 from chatrl.rl.stats import PooledStats
-from chatrl.rollout_records import read_step, resolve_output
+from chatrl.rollout_records import compare_figures, compare_rank, read_step, resolve_output
 from chatrl.step3_ppo.main import build, build_parser, learn_from, restore
 from chatrl.step3_ppo.trainer import Experience
 from chatrl.weight_version import WeightVersionError
-
-#: The compared quantities, in the order they are computed (the first differing one is named).
-PER_TOKEN = ("ref_logp", "logp", "entropy", "values", "kl", "rewards", "advantages", "returns", "is_weights")
 
 
 def replay_argv(index: dict, output: Path, step: int) -> list[str]:
@@ -74,55 +57,6 @@ def recorded_experience(rank_record: dict, device) -> Experience:
                       {k: v for k, v in t.items() if k.startswith("reward/")}, list(rank_record["metadata"]),
                       weight_version=t.get("weight_version"), weight_checksum=t.get("weight_checksum"),
                       turn_rewards=t.get("turn_rewards"), turns=t.get("turns"))
-
-
-def _first_difference(name: str, recorded: torch.Tensor, replayed: torch.Tensor | None, atol: float):
-    """None when equal (within ``atol``), else ``(where, recorded value, replayed value)``."""
-    if replayed is None:
-        return ("missing in the replay", "", "")
-    a, b = recorded.float().cpu(), replayed.detach().float().cpu()
-    if a.shape != b.shape:
-        return (f"shape {tuple(a.shape)} vs {tuple(b.shape)}", "", "")
-    diff = (a - b).abs()
-    bad = ~(diff <= atol) & ~(torch.isnan(a) & torch.isnan(b))
-    if not bad.any():
-        return None
-    at = tuple(int(i) for i in bad.nonzero()[0])
-    return (f"at {at} ({int(bad.sum())} of {bad.numel()} elements differ)", float(a[at]), float(b[at]))
-
-
-def compare_rank(rank_record: dict, exp: Experience, trace: dict, atol: float) -> list[tuple[int, str]]:
-    """This rank's differences as ``(order, message)`` (order: computation order of the quantity)."""
-    out, t = [], rank_record["tensors"]
-    names = [*PER_TOKEN, "ratio", "clip"]
-    for order, name in enumerate(names):
-        if name not in t:
-            continue
-        replayed = getattr(exp, name, None) if name in PER_TOKEN else (
-            torch.stack(trace[name]) if trace.get(name) else None)
-        d = _first_difference(name, t[name], replayed, atol)
-        if d:
-            out.append((order + 1, f"{name} on rank {dist.get_rank()} {d[0]}: recorded {d[1]!r}, replayed {d[2]!r}"))
-    return out
-
-
-def compare_figures(figures: dict, trace: dict, metrics: dict, atol: float) -> list[tuple[int, str]]:
-    """The step's global figures (rank 0's view): gradient norms per optimizer step, then the losses."""
-    out, base = [], len(PER_TOKEN) + 3
-    for order, key in enumerate(("actor_grad_norm", "critic_grad_norm")):
-        rec, got = list(figures.get(key) or []), list(trace.get(key) or [])
-        if len(rec) != len(got):
-            out.append((base + order, f"{key}: {len(rec)} optimizer steps recorded, {len(got)} replayed"))
-            continue
-        for i, (a, b) in enumerate(zip(rec, got, strict=True)):
-            if not abs(a - b) <= atol:
-                out.append((base + order, f"{key} of optimizer step {i + 1}: recorded {a!r}, replayed {b!r}"))
-                break
-    for order, key in enumerate(("actor_loss", "critic_loss")):
-        a, b = figures.get(key), metrics.get(key)
-        if a is not None and not (b is not None and (abs(a - b) <= atol or (math.isnan(a) and math.isnan(b)))):
-            out.append((base + 2 + order, f"{key}: recorded {a!r}, replayed {b!r}"))
-    return out
 
 
 def replay(output: str | os.PathLike, step: int, atol: float = 0.0) -> dict:
@@ -165,27 +99,15 @@ def replay(output: str | os.PathLike, step: int, atol: float = 0.0) -> dict:
     return result
 
 
-def _under_launcher() -> bool:
-    return "WORLD_SIZE" in os.environ or "RANK" in os.environ
-
-
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.replay OUTPUT --step N [--atol X]``: exit 0 when the replay matches, 1 when not."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.replay", description=__doc__,
+    """The rank program of ``python -m chatrl.replay OUTPUT --step N [--atol X]`` (which starts it, under
+    ``torch.distributed.run`` for a record of several ranks): exit 0 when the replay matches, 1 when not."""
+    p = argparse.ArgumentParser(prog="python -m chatrl.step3_ppo.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="step 3's --output_dir (or train.py's --output-dir), run with --save_rollouts")
     p.add_argument("--step", type=int, required=True, help="the recorded step to replay")
     p.add_argument("--atol", type=float, default=0.0, help="largest difference counted as equal (default 0: bit for bit)")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        index, _ = read_step(resolve_output(a.output), a.step)
-    except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.replay: {e}") from None
-    world = int(index["world_size"])
-    if world > 1 and not _under_launcher():  # the record's ranks, started here
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(dist.free_port()), "-m", "chatrl.replay", str(a.output), "--step", str(a.step), "--atol", str(a.atol)]
-        raise SystemExit(subprocess.call(cmd))
 
     def program():
         result = replay(a.output, a.step, a.atol)

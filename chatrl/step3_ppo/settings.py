@@ -77,30 +77,6 @@ class Step3Settings:
         return plan_episodes(self.rollout.max_prompt_seq_len, self.rollout.max_answer_seq_len, e.max_turns,
                              e.max_total_tokens)
 
-    def fit_loss_aggregation_to_token_budget(self) -> str | None:
-        """With ``--max_tokens_per_micro_batch``, make the loss aggregation a global one, in place.
-
-        DeepSpeed-Chat's ``micro-batch-token-mean`` weighs a token by the number of tokens sharing
-        its micro-batch, so micro-batches cut by token budget would change the gradient; a global
-        mode does not (:mod:`chatrl.rl.loss`). Every built-in algorithm's default is global; for a
-        registered one whose default is ``micro-batch-token-mean``, an unset ``--loss_agg_mode``
-        becomes ``token-mean`` and the returned line says so (None when nothing changed).
-
-        Raises:
-            UsageError: ``--loss_agg_mode micro-batch-token-mean`` given with a token budget.
-        """
-        if not self.packing.max_tokens_per_micro_batch or self.ppo.loss_aggregation != "micro-batch-token-mean":
-            return None
-        if self.ppo.loss_agg_mode is not None:
-            raise UsageError("--loss_agg_mode micro-batch-token-mean weighs each token by the size of its micro-batch, "
-                             "so it cannot be invariant to micro-batches cut by --max_tokens_per_micro_batch; choose a "
-                             "global mode (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm) or drop "
-                             "--max_tokens_per_micro_batch")
-        self.ppo.loss_agg_mode = "token-mean"
-        return (f"--max_tokens_per_micro_batch: the loss aggregation is token-mean (every action token of an optimizer "
-                f"step weighs the same, whatever the micro-batches) instead of {self.ppo.rl_algorithm}'s default "
-                "micro-batch-token-mean, whose weights depend on the micro-batches")
-
     def reward_model_path(self) -> str | None:
         """The reward model to load, or None: ``--reward_model_name_or_path``, else (when no
         ``--reward_fn``/``--reward_url`` gives the reward) the critic's step-2 folder.

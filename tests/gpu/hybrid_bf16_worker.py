@@ -15,6 +15,7 @@ import json
 import torch
 
 from chatrl import dist as cdist
+from chatrl.config import HybridEngineConfig
 from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.models import load_causal_lm, load_tokenizer
@@ -34,7 +35,7 @@ def main():
     model = load_causal_lm(args.model, tok, dtype="bf16")
     config = cdist.deepspeed_config(BatchSizes(2, 1, info.world_size), zero_stage=3, dtype="bf16")
     engine = cdist.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    he = HybridEngine(engine, inference_tp_size=1)
+    he = HybridEngine(engine, HybridEngineConfig(enable_hybrid_engine=True, inference_tp_size=1))
     ids, mask = prompts(tok, info.rank, batch=4)
     ids, mask = ids.to(info.device), mask.to(info.device)
     n, eos, pad = args.new_tokens, tok.eos_token_id, tok.pad_token_id

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from chatrl import dist as cdist
-from chatrl.config import LoraConfig
+from chatrl.config import HybridEngineConfig, LoraConfig
 from chatrl.dist import run_program
 from chatrl.hybrid_engine import HybridEngine, HybridEngineFallbackWarning
 from chatrl.hybrid_engine.inference_copy import release_host_memory
@@ -26,6 +26,11 @@ from chatrl.sizes import BatchSizes
 from chatrl.weights import gathered
 
 TOL = 1e-4
+
+
+def engine_settings(**kw) -> HybridEngineConfig:
+    """The hybrid engine's block, switched on, with ``kw`` set."""
+    return HybridEngineConfig(enable_hybrid_engine=True, **kw)
 
 
 def rss_bytes() -> int:
@@ -121,7 +126,8 @@ def check_exact(engine, tok, results, tps, rank, n, lora):
     """Greedy equality at each TP size, before and after an optimizer step."""
     ids, mask = prompts(tok, rank)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    engines = {tp: HybridEngine(engine, inference_tp_size=tp, tp_gather_partition_size=1) for tp in tps}
+    engines = {tp: HybridEngine(engine, engine_settings(inference_tp_size=tp, tp_gather_partition_size=1))
+               for tp in tps}
     ref = reference_model(engine.module)
     before = ref_generate(ref, ids, mask, n, eos, pad)[1]
     for tp, he in engines.items():
@@ -172,7 +178,7 @@ def check_share(engine, tok, results, tps, rank, n, rows=32):
     ref = reference_model(engine.module)
     rseq = ref_generate(ref, ids, mask, n, [pad], pad)[0][:, width:]
     for tp in tps:
-        he = HybridEngine(engine, inference_tp_size=tp)
+        he = HybridEngine(engine, engine_settings(inference_tp_size=tp))
         seq = he.generate(ids, mask, max_new_tokens=n, eos_token_id=[pad], pad_token_id=pad)[:, width:]
         he.exit_inference()
         equal = (seq == rseq).all(dim=1)
@@ -195,8 +201,8 @@ def check_stop(engine, tok, results, tps, rank, n):
     ref = reference_model(engine.module)
     free = ref_generate(ref, ids, mask, n, [pad], pad)[0][:, ids.shape[1]:]
     eos = sorted(set(free[:, :3].flatten().tolist())) if rank == 0 else [pad]
-    variants = [("plain", HybridEngine(engine, enable=False))]
-    variants += [(f"tp{tp}", HybridEngine(engine, inference_tp_size=tp)) for tp in tps]
+    variants = [("plain", HybridEngine(engine, HybridEngineConfig(enable_hybrid_engine=False)))]
+    variants += [(f"tp{tp}", HybridEngine(engine, engine_settings(inference_tp_size=tp))) for tp in tps]
     for name, he in variants:
         t0 = time.perf_counter()
         seq = compare(f"stop_{name}", he, ref, ids, mask, n, eos, pad, results)
@@ -211,7 +217,7 @@ def check_stop(engine, tok, results, tps, rank, n):
 def check_memory(engine, tok, results, tp, rank, cycles=20):
     """RSS after each exit stays within 10% of RSS before the first entry."""
     ids, mask = prompts(tok, rank)
-    he = HybridEngine(engine, inference_tp_size=tp, release_inference_cache=True)
+    he = HybridEngine(engine, engine_settings(inference_tp_size=tp, release_inference_cache=True))
     cdist.barrier()
     release_host_memory()  # the baseline without freed-but-unreturned heap pages
     before = rss_bytes()
@@ -239,7 +245,7 @@ def check_fallback(tok, results, rank, n):
     engine = make_engine(GPT2LMHeadModel(cfg), 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        he = HybridEngine(engine, inference_tp_size=2)
+        he = HybridEngine(engine, engine_settings(inference_tp_size=2))
         ids, mask = prompts(tok, rank)
         compare("fallback_gpt2", he, reference_model(engine.module), ids, mask, n, tok.eos_token_id,
                 tok.pad_token_id, results)

@@ -181,7 +181,7 @@ def test_each_property_fails_on_a_broken_run_and_a_recorded_step_replays_exactly
     assert replay["ok"] and replay["metrics"]["actor_loss"] == replay["figures"]["actor_loss"]
 
     pytest.importorskip("plotly")
-    from chatrl.inspect import write_inspector
+    from chatrl.inspector import write_inspector
 
     html = write_inspector(records, 2).read_text()
     assert html.count('"rank":') == 2 * 2  # every rollout of the step: 2 prompts on each of 2 ranks

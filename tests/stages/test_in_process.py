@@ -133,3 +133,51 @@ def test_a_toy_algorithm_plugs_in_through_the_documented_path(pipeline):
     assert math.isfinite(metrics["actor_loss"]) and (out / "actor" / "config.json").exists()
     assert not (out / "critic").exists()
     assert "mean_baseline" not in algorithms.names()
+
+
+def test_a_toy_reward_kind_plugs_in_through_the_documented_path(pipeline):
+    """docs/architecture.md, "A reward": a kind is one RewardKind subclass and one kinds.register line;
+    --reward_fn then takes its values (with a weight), step 3 builds its source and sums it, and the
+    logged reward is the weighted score of the answers the source was given."""
+    from chatrl.rewards import kinds
+    from chatrl.step3_ppo.main import main as step3
+
+    seen = []  # (step, answers, scores) of each batch the source scored
+
+    class Length:
+        name = "length"
+
+        def __init__(self, n):
+            self.n = n
+
+        def __call__(self, batch):
+            scores = torch.tensor([-abs(len(a) - self.n) for a in batch.answers], dtype=torch.float32)
+            seen.append((batch.step, list(batch.answers), scores))
+            return scores
+
+    class LengthKind(kinds.RewardKind):
+        name, summary = "length", "minus the distance of the answer's length to TARGET characters"
+
+        def source(self, target, settings, context):
+            return Length(int(target.split(":", 1)[1]))
+
+    kinds.register(LengthKind())
+    root, _, _ = pipeline
+    out = root / "step3_toy_reward"
+    try:
+        metrics = step3(["--rl_algorithm", "reinforce_pp", "--reward_fn", "0.5*length:12", "--kl_in", "loss",
+                         "--actor_model_name_or_path", str(root / "step1"), "--data_path", PROMPTS,
+                         "--data_output_path", str(root / "cache"), "--max_prompt_seq_len", "32",
+                         "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "4",
+                         "--per_device_training_batch_size", "4", "--max_steps", "2",
+                         "--num_warmup_steps", "0", "--output_dir", str(out), "--disable_progress_bar"])
+    finally:
+        kinds.KINDS.pop("length")
+    assert [step for step, _, _ in seen] == [1, 2]  # one generation batch per experience buffer
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row, (_, answers, scores) in zip(rows, seen, strict=True):
+        assert scores.tolist() == [-abs(len(a) - 12) for a in answers]
+        assert row["reward/length"] == pytest.approx(scores.mean().item(), abs=1e-6)
+        assert row["reward/score_mean"] == pytest.approx(0.5 * scores.mean().item(), abs=1e-6)
+    assert math.isfinite(metrics["actor_loss"]) and "length" not in kinds.names()

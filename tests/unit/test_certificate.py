@@ -227,8 +227,8 @@ def _experience(seed: int = 0):
 
 
 def test_rollout_record_round_trip_and_the_first_differing_quantity(tmp_path):
-    from chatrl.rollout_records import read_step, recorded_steps, write_step
-    from chatrl.step3_ppo.replay import compare_figures, compare_rank, recorded_experience
+    from chatrl.rollout_records import compare_figures, compare_rank, read_step, recorded_steps, write_step
+    from chatrl.step3_ppo.replay import recorded_experience
 
     exp = _experience()
     trace = {"ratio": [torch.ones(2, 4)], "clip": [torch.zeros(2, 4, dtype=torch.int8)], "actor_grad_norm": [0.5]}
@@ -256,7 +256,7 @@ def test_rollout_record_round_trip_and_the_first_differing_quantity(tmp_path):
 
 def test_inspector_page_of_a_record_and_a_diff(tmp_path):
     pytest.importorskip("plotly")
-    from chatrl.inspect import build_html
+    from chatrl.inspector import build_html
     from chatrl.rollout_records import write_step
     from tests.conftest import STORIES
 

@@ -4,11 +4,12 @@ skipping step 2 when the reward comes from rules alone."""
 
 import pytest
 
-from chatrl import config, sizes
+from chatrl import config
 from chatrl.errors import UsageError
 from chatrl.rl import algorithms
 from chatrl.step3_ppo.main import build_parser
 from chatrl.step3_ppo.settings import Step3Settings
+from tests.unit.test_plans import plan_from_flags
 
 BASE = ["--actor_model_name_or_path", "a", "--data_path", "d", "--output_dir", "o"]
 
@@ -24,7 +25,7 @@ def plan(rl_algorithm="ppo", **kw):
                 num_train_epochs=1, max_steps=0, num_warmup_steps=0, ptx=False, algorithm=algorithm,
                 loss_agg_mode=algorithm.loss_agg_mode)
     args.update(kw)
-    return sizes.plan_ppo(**args)
+    return plan_from_flags(**args)
 
 
 def test_step3_flags_reach_the_ppo_block():

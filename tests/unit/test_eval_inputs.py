@@ -140,6 +140,35 @@ def test_a_built_in_rule_reward_judges_with_each_prompt_rows_reference(tmp_path)
         load_judge("exact_mach", "--judge")
 
 
+def test_every_reward_kind_is_a_judge():
+    """The judges read the reward kinds' registry: a registered kind's value judges through its source,
+    with the prompt as a transcript and its row's metadata, and so does a reward server's URL (read as a
+    module name before, which failed to import)."""
+    from chatrl.eval.judges import SourceJudge, conversation_key, transcript
+    from chatrl.rewards import kinds
+    from tests.unit.test_rewards import LengthKind
+
+    assert isinstance(load_judge("http://127.0.0.1:9/score", "--judge"), SourceJudge)
+    seen = []
+
+    class Seen(LengthKind):
+        def source(self, target, settings, context):
+            inner = super().source(target, settings, context)
+            return lambda batch: seen.append(batch) or inner(batch)
+
+    kinds.register(Seen())
+    try:
+        judge = load_judge("length:2", "--gold_judge")
+        assert isinstance(judge, SourceJudge)
+        prompts = [({"role": "user", "content": "Hi"},), ({"role": "user", "content": "Yo"},)]
+        judge.metadata = {conversation_key(prompts[0]): {"reference": "x"}}
+        assert judge.score(prompts, ["ab", "abcde"]) == [0.0, -3.0]
+        assert seen[0].prompts == [transcript(p) for p in prompts]
+        assert seen[0].metadata == [{"reference": "x"}, {}]
+    finally:
+        kinds.KINDS.pop("length")
+
+
 def test_snapshots_are_written_every_interval_but_the_last_and_listed_in_step_order(tmp_path, capsys):
     from chatrl.cli import parse
     from chatrl.models import load_causal_lm, load_tokenizer

@@ -89,6 +89,11 @@ def test_the_judge_without_step2_and_after_dpo(tmp_path):
                        "--rl-algorithm", "grpo", "--data-path", str(sft), str(prompts)])
     _finished(rule.dirs, {"data_path": ["a.jsonl"]})
     assert train.eval_flags(rule, None)["judge"] == "exact_match"  # the one function is the judge
+    weighted = train.plan(["--preset", "demo", "--output-dir", str(tmp_path / "w"), "--reward-fn",
+                           "0.5*exact_match", "--rl-algorithm", "grpo", "--data-path", str(sft),
+                           str(prompts)])
+    _finished(weighted.dirs, {"data_path": ["a.jsonl"]})
+    assert train.eval_flags(weighted, None)["judge"] == "exact_match"  # the weight is no part of its name
     dpo = train.plan(["--preset", "demo", "--output-dir", str(tmp_path / "d"), "--step2-method", "dpo"])
     assert dpo.dirs[2].name == "step2_dpo"
     dpo.dirs[2].mkdir(parents=True)

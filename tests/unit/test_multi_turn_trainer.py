@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatrl.config import PPOConfig
+from chatrl.config import PPOConfig, RewardConfig
 from chatrl.data.formatting import encode_example
 from chatrl.envs import load_environment
 from chatrl.models import load_tokenizer, stop_token_ids
@@ -46,7 +46,7 @@ def setup():
 def make_trainer(tok, sampler, algorithm: str, critic=None, n: int = 2):
     settings = PPOConfig(rl_algorithm=algorithm, num_samples_per_prompt=n, per_device_training_batch_size=4,
                          separate_experience_pass=True, init_kl_coef=0.05)
-    reward = build_reward(["exact_match"], episodes=True)
+    reward = build_reward(RewardConfig(reward_fn=["exact_match"]), episodes=True)
     vocab = len(tok)
     return Trainer(FakeEngine(tiny_lm(vocab, 0), 1), FakeEngine(tiny_lm(vocab, 1), 1), critic, reward, sampler,
                    core.FixedKLController(0.05), settings, tok, env=load_environment("calculator"),
@@ -113,7 +113,8 @@ def test_single_answers_keep_no_turn_tensors(setup):
     settings = PPOConfig(rl_algorithm="grpo", num_samples_per_prompt=2, per_device_training_batch_size=4)
     sampler = ScriptedSampler([first], tok.pad_token_id, 16)
     tr = Trainer(FakeEngine(tiny_lm(len(tok), 0), 1), FakeEngine(tiny_lm(len(tok), 1), 1), None,
-                 build_reward(["exact_match"]), sampler, core.FixedKLController(0.05), settings, tok)
+                 build_reward(RewardConfig(reward_fn=["exact_match"])), sampler, core.FixedKLController(0.05),
+                 settings, tok)
     ids = torch.tensor([tok("hi")["input_ids"]])
     exp = tr.rollout(ids, torch.ones_like(ids), [{"reference": "1"}], step=1)
     assert exp.turn_rewards is None and exp.turns is None and exp.transcripts == []

@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatrl.config import PackingConfig, PPOConfig
+from chatrl.config import OptimConfig, PackingConfig, PPOConfig
 from chatrl.data.collate import PackedPairCollator, PackedSFTCollator, PairCollator, SFTCollator
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.models import check_packing, load_causal_lm, load_tokenizer
 from chatrl.reward_model import RewardModel, load_reward_model, pairwise_loss
 from chatrl.rl.stats import PooledStats
+from chatrl.sizes import loss_aggregation
 from chatrl.step1_sft.loss import sft_nll
 from chatrl.step2_dpo.batch import DPOCollator, PackedDPOCollator, batch_answer_logps, split_pairs
 from chatrl.step2_dpo.loss import DPOConfig, preference_loss
@@ -279,7 +280,7 @@ def test_step3_token_budget_micro_batches_give_the_padded_gradient(tiny_llama, a
                                         rl_algorithm=algorithm, num_samples_per_prompt=4 if algorithm != "ppo" else 1,
                                         loss_agg_mode=mode, kl_in="loss", init_kl_coef=0.1),
                           packing=PackingConfig(packing=packed and budget > 0, max_tokens_per_micro_batch=budget))
-        assert s.fit_loss_aggregation_to_token_budget() is None and s.ppo.loss_aggregation == (mode or "token-mean")
+        assert loss_aggregation(s.ppo, OptimConfig(), s.packing, ptx=False) == (mode or "token-mean", None)
         actor, reference = tiny_llama_pair(path, tok)
         critic = None
         if algorithm == "ppo":
@@ -302,14 +303,9 @@ def test_step3_token_budget_micro_batches_give_the_padded_gradient(tiny_llama, a
 
 def test_token_budget_refuses_what_it_cannot_keep_invariant():
     from chatrl.rl import algorithms
-    from chatrl.sizes import plan_ppo
-    from chatrl.step3_ppo.settings import Step3Settings
+    from tests.unit.test_plans import plan_from_flags as plan_ppo
 
-    s = Step3Settings(ppo=PPOConfig(loss_agg_mode="micro-batch-token-mean"),
-                      packing=PackingConfig(max_tokens_per_micro_batch=256))
-    with pytest.raises(UsageError, match="micro-batch-token-mean.*global mode"):
-        s.fit_loss_aggregation_to_token_budget()
-    assert Step3Settings(ppo=PPOConfig(), packing=PackingConfig()).fit_loss_aggregation_to_token_budget() is None
+    assert loss_aggregation(PPOConfig(), OptimConfig(), PackingConfig(), ptx=False) == ("token-mean", None)
     common = dict(n_generation_batches=4, n_prompts=16, world_size=1, per_device_generation_batch_size=4,
                   per_device_training_batch_size=2, generation_batches=1, ppo_epochs=1, gradient_accumulation_steps=1,
                   num_train_epochs=1, max_steps=0, num_warmup_steps=0, algorithm=algorithms.get("grpo"),

@@ -1,17 +1,35 @@
 """Derived sizes of each step (chatrl.sizes.plan_steps / plan_ppo): hand-derived counts, and errors
 that name the flags and a fix for inexact divisions and impossible combinations."""
 
+from dataclasses import fields
+
 import pytest
 
+from chatrl.config import OptimConfig, PackingConfig, PPOConfig, RolloutConfig
 from chatrl.rl import algorithms
-from chatrl.sizes import BatchSizes, plan_ppo, plan_steps
+from chatrl.sizes import BatchSizes, PromptCounts, plan_ppo, plan_steps
 
 
 def ppo(**kw):
     base = dict(n_generation_batches=10, n_prompts=80, world_size=2, per_device_generation_batch_size=4,
                 per_device_training_batch_size=2, generation_batches=2, ppo_epochs=2, gradient_accumulation_steps=1,
                 num_train_epochs=3, max_steps=0, num_warmup_steps=0, ptx=False, algorithm=algorithms.get("ppo"))
-    return plan_ppo(**{**base, **kw})
+    return plan_from_flags(**{**base, **kw})
+
+
+def plan_from_flags(ptx=False, algorithm=None, adaptive_kl=False, **kw):
+    """:func:`plan_ppo` of its flags' values, each put in its block (the PPO block names the algorithm;
+    unset here: one answer per prompt and the token-mean aggregation)."""
+    ppo = {"num_samples_per_prompt": 1, "loss_agg_mode": "token-mean",
+           "kl_ctl": "adaptive" if adaptive_kl else "fixed"}
+    blocks = {PromptCounts: {}, RolloutConfig: {}, PPOConfig: ppo, OptimConfig: {}, PackingConfig: {}}
+    if algorithm is not None:
+        blocks[PPOConfig]["rl_algorithm"] = algorithm.name
+    for name, value in kw.items():
+        block = next(b for b in blocks if name in {f.name for f in fields(b)})
+        blocks[block][name] = value
+    counts, rollout, ppo, optim, packing = (b(**v) for b, v in blocks.items())
+    return plan_ppo(counts, rollout, ppo, optim, packing, ptx)
 
 
 def test_ppo_plan_counts():
@@ -113,3 +131,30 @@ def test_a_given_warmup_too_long_is_a_usage_error_and_a_run_ending_before_max_st
                                           "when its 3 epochs of 80 prompts ran out (--num_train_epochs, or more prompts, "
                                           "for a longer run)")
     assert ppo(max_steps=15).cap_note is None and ppo(max_steps=4).cap_note is None
+
+
+def test_an_unset_loss_aggregation_that_does_not_fit_adapts_in_the_plan_and_the_block_is_left_as_read():
+    """The plan holds the loss aggregation: the PTX loss with accumulated micro-batches takes
+    micro-batch-token-mean, a token budget takes token-mean over an algorithm's micro-batch-token-mean
+    default; each says so in a note, a given value is kept, and the PPO block is never written."""
+    from chatrl.rl.advantages import Advantages
+
+    block = PPOConfig(rl_algorithm="ppo")
+    ptx = plan_ppo(PromptCounts(10, 80, 2), RolloutConfig(generation_batches=2), block,
+                   OptimConfig(gradient_accumulation_steps=2, num_warmup_steps=0), PackingConfig(), ptx=True)
+    assert ptx.loss_agg_mode == "micro-batch-token-mean" and block.loss_agg_mode is None
+    assert ptx.notes[0].startswith("the PTX loss with --gradient_accumulation_steps > 1 needs a per-micro")
+    with pytest.raises(ValueError, match="--loss_agg_mode token-mean needs --gradient_accumulation_steps 1"):
+        ppo(ptx=True, gradient_accumulation_steps=4, loss_agg_mode="token-mean")  # a given value is kept
+    algorithms.register(algorithms.Algorithm("per_micro_batch", lambda inputs, s: Advantages(inputs.scores),
+                                             "a toy", loss_agg_mode="micro-batch-token-mean"))
+    try:
+        block = PPOConfig(rl_algorithm="per_micro_batch")
+        budget = plan_ppo(PromptCounts(10, 80, 2), RolloutConfig(), block, OptimConfig(num_warmup_steps=0),
+                          PackingConfig(max_tokens_per_micro_batch=64), ptx=False)
+        assert budget.loss_agg_mode == "token-mean" and block.loss_agg_mode is None
+        assert budget.notes[0].startswith("--max_tokens_per_micro_batch: the loss aggregation is token-mean")
+        assert plan_ppo(PromptCounts(10, 80, 2), RolloutConfig(), block, OptimConfig(num_warmup_steps=0),
+                        PackingConfig(), ptx=False).loss_agg_mode == "micro-batch-token-mean"
+    finally:
+        algorithms.ALGORITHMS.pop("per_micro_batch")

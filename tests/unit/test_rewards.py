@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from chatrl.config import RewardConfig
+from chatrl.errors import UsageError
 from chatrl.rewards import (
     FunctionReward,
     ModelReward,
@@ -17,7 +19,9 @@ from chatrl.rewards import (
     RewardError,
     WeightedReward,
     build_reward,
+    check_reward_metadata,
     check_scores,
+    kinds,
     load_reward_fn,
     score_on_all_ranks,
     split_weight,
@@ -176,11 +180,11 @@ def test_build_reward_parses_weights():
     assert split_weight("0.2*regex_format", "--reward_fn") == (0.2, "regex_format")
     assert split_weight("exact_match", "--reward_fn") == (1.0, "exact_match")
     assert split_weight("1e-1 * http://h:1/", "--reward_url") == (0.1, "http://h:1/")
-    r = build_reward(["exact_match", "0.5*regex_format"], ["2*http://127.0.0.1:9/"])
+    r = build_reward(RewardConfig(reward_fn=["exact_match", "0.5*regex_format"], reward_url=["2*http://127.0.0.1:9/"]))
     assert [(w, n) for w, n, _ in r.parts] == [(1.0, "exact_match"), (0.5, "regex_format"), (2.0, "http")]
     assert not r.needs_reward_model
     with pytest.raises(ValueError, match="--reward_url 'ftp://x'"):
-        build_reward([], ["ftp://x"])
+        build_reward(RewardConfig(reward_url=["ftp://x"]))
 
 
 NUMERIC_RETURNS = [
@@ -310,3 +314,54 @@ def test_exact_match_scripts_paired_gain_and_interval():
     assert script.paired_gain(before, before) == (0.0, 0.0, 0.0)  # no difference in any row: a point interval
     with pytest.raises(ValueError, match="the same rows"):
         script.paired_gain(after, before[:3])
+
+
+class _Length:
+    """A toy source: minus the distance of each answer's length to ``n`` characters."""
+
+    def __init__(self, n):
+        self.n, self.name = n, "length"
+
+    def __call__(self, batch):
+        return torch.tensor([-abs(len(a) - self.n) for a in batch.answers], dtype=torch.float32)
+
+
+class LengthKind(kinds.RewardKind):
+    name, summary = "length", "minus the distance of the answer's length to TARGET characters"
+
+    def source(self, target, settings, context):
+        return _Length(int(target.split(":", 1)[1]))
+
+
+def test_each_reward_value_goes_to_the_kind_that_claims_it(tmp_path):
+    """The registry (chatrl/rewards/kinds.py): built-ins by short name or path, module functions, HTTP
+    servers and reward-model folders; a value no kind of its flag claims goes to the flag's first kind,
+    whose check names the forms; a user's kind is asked first."""
+    assert kinds.names()[:4] == ("function", "builtin", "http", "model")
+    claimed = {("exact_match", "--reward_fn"): "builtin",
+               ("chatrl.rewards.builtin:exact_match", "--reward_fn"): "builtin",
+               ("mypkg.mod:score", "--reward_fn"): "function", ("exact_mach", "--reward_fn"): "function",
+               ("http://h:1/x", "--reward_url"): "http", ("ftp://x", "--reward_url"): "http"}
+    for (value, flag), name in claimed.items():
+        assert kinds.resolve(value, flag)[1].name == name, value
+    assert kinds.resolve("0.5*http://h:1/x", "--reward_url")[::2] == (0.5, "http://h:1/x")
+    assert kinds.find(str(tmp_path)).name == "model" and kinds.find("http://h:1/").name == "http"
+    assert kinds.find("no_colon_no_folder") is None
+    with pytest.raises(UsageError, match="expected module:function"):
+        kinds.check("exact_mach", "--reward_fn")
+    with pytest.raises(UsageError, match="no reward kind reads --reward_grpc"):
+        kinds.resolve("x", "--reward_grpc")
+    with pytest.raises(UsageError, match="exact_match scores each answer against its prompt row's"):
+        check_reward_metadata(["0.5*chatrl.rewards.builtin:exact_match"], [{"reference": 1}, {}], "r.jsonl")
+    kinds.register(LengthKind())
+    try:
+        w, kind, target = kinds.resolve("2*length:3", "--reward_fn")
+        assert (w, type(kind), target) == (2.0, LengthKind, "length:3")
+        assert kinds.find("length:3", "--reward_url") is None  # it reads --reward_fn only
+        r = build_reward(RewardConfig(reward_fn=["2*length:3", "exact_match"]))
+        total, parts = r(batch(["abc", "7", "abcde"], refs=["0", "7", "0"]))
+        assert parts["reward/length"].tolist() == [0.0, -2.0, -2.0]
+        assert total.tolist() == [0.0, 2 * -2.0 + 1.0, 2 * -2.0]
+    finally:
+        kinds.KINDS.pop("length")
+    assert "length" not in kinds.names()

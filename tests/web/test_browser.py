@@ -133,14 +133,14 @@ def test_web_chat_streams_answers_side_by_side(browser, chat_server):
 
 
 def test_inspector_renders_offline_and_recolours_tokens(browser, tmp_path):
-    """The token inspector (python -m chatrl.inspect) of two recorded runs side by side: every rollout's
+    """The token inspector (python -m chatrl.inspector) of two recorded runs side by side: every rollout's
     tokens drawn, each colouring applied (the clip hits of the hand-made trace among them), no JS
     error, no network request. ``CHATRL_INSPECT_OUTPUT`` (a step-3 output with records, e.g. the
     demo's) is drawn too when given: its screenshot is ``inspector_demo.png``."""
     pytest.importorskip("plotly", reason="the inspector needs plotly: pip install -e '.[web]'")
     import torch
 
-    from chatrl.inspect import write_inspector
+    from chatrl.inspector import write_inspector
     from chatrl.rollout_records import recorded_steps, write_step
     from tests.unit.test_certificate import _experience
 

@@ -1,7 +1,7 @@
 """The token-level inspector: what a step-3 training step learned from, one offline HTML file.
 
-    python -m chatrl.inspect OUTPUT --step N                   # writes OUTPUT/rollouts/step_N.html
-    python -m chatrl.inspect OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
+    python -m chatrl.inspector OUTPUT --step N                   # writes OUTPUT/rollouts/step_N.html
+    python -m chatrl.inspector OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
 
 ``OUTPUT`` is step 3's ``--output_dir`` (or ``train.py``'s, whose ``step3_rlhf/`` is used), run with
 ``--save_rollouts`` (:mod:`chatrl.rollout_records`). Every recorded rollout is shown as its tokens:
@@ -96,8 +96,8 @@ def samples_of(index: dict, ranks: list[dict], tokenizer) -> list[dict]:
             per_token = {"mask": _round(act[b, :shown].float())}
             if "sampler_logp" in t and "logp" in t:
                 per_token["logp_gap"] = _round(t["sampler_logp"][b, :shown] - t["logp"][b, :shown])
-            for k in ("advantages", "is_weights", "kl", "entropy", "values", "returns", "logp", "sampler_logp",
-                      "ref_logp", "rewards"):
+            for k in ("advantages", "is_weights", "kl", "entropy", "values", "returns", "logp",
+                      "sampler_logp", "ref_logp", "rewards"):
                 if k in t:
                     per_token[k] = _round(t[k][b, :shown])
             for k in ("ratio", "clip"):
@@ -105,7 +105,8 @@ def samples_of(index: dict, ranks: list[dict], tokenizer) -> list[dict]:
                     per_token[k] = [_round(t[k][e, b, :shown].float()) for e in range(t[k].shape[0])]
             kl_sum = float((t["kl"][b] * act[b]).sum()) if "kl" in t else None
             out.append({"rank": r, "row": b, "prompt": _token_texts(tokenizer, prompt_ids),
-                        "answer": _token_texts(tokenizer, answer_ids[:shown]), "answer_ids": answer_ids[:shown],
+                        "answer": _token_texts(tokenizer, answer_ids[:shown]),
+                        "answer_ids": answer_ids[:shown],
                         "tokens": per_token, "score": float(t["scores"][b]) if "scores" in t else None,
                         "parts": {k[7:]: float(t[k][b]) for k in parts}, "kl": kl_sum, "length": n,
                         "version": int(t["weight_version"][b]) if "weight_version" in t else None,
@@ -147,9 +148,9 @@ def _histograms(runs: list[dict]):
                 any_data = True
                 fig.add_trace(go.Histogram(x=values, name=Path(run["output"]).name, opacity=0.7, nbinsx=40))
         if any_data:
-            fig.update_layout(title={"text": f"{label} over the action tokens", "font": {"size": 13}}, height=240,
-                              margin={"l": 40, "r": 10, "t": 36, "b": 30}, barmode="overlay", template="plotly_white",
-                              showlegend=len(runs) > 1)
+            fig.update_layout(title={"text": f"{label} over the action tokens", "font": {"size": 13}},
+                              height=240, margin={"l": 40, "r": 10, "t": 36, "b": 30}, barmode="overlay",
+                              template="plotly_white", showlegend=len(runs) > 1)
             figs.append(fig)
     return figs
 
@@ -252,12 +253,14 @@ def _figures_table(run: dict) -> str:
             ("rollouts (all ranks)", len(run["samples"])), ("actor_loss", fig.get("actor_loss")),
             ("critic_loss", fig.get("critic_loss")),
             ("actor gradient norm per optimizer step", fig.get("actor_grad_norm")),
-            ("critic gradient norm per optimizer step", fig.get("critic_grad_norm")), ("KL coefficient", fig.get("kl_coef")),
+            ("critic gradient norm per optimizer step", fig.get("critic_grad_norm")),
+            ("KL coefficient", fig.get("kl_coef")),
             ("reward/score_mean", m.get("reward/score_mean")), ("kl (nats per answer)", m.get("kl")),
             ("rollout/logp_diff_max", m.get("rollout/logp_diff_max")),
             ("checkpoint before the step (replay starts there)", run["index"].get("checkpoint"))]
-    body = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v) if not isinstance(v, str) else v)}"
-                   "</td></tr>" for k, v in rows if v is not None)
+    body = "".join(f"<tr><td>{html.escape(str(k))}</td>"
+                   f"<td>{html.escape(json.dumps(v) if not isinstance(v, str) else v)}</td></tr>"
+                   for k, v in rows if v is not None)
     return f'<table class="figures"><tr><th colspan="2">{html.escape(run["output"])}</th></tr>{body}</table>'
 
 
@@ -276,24 +279,29 @@ def build_html(output: str | os.PathLike, step: int, other: str | os.PathLike | 
     charts = "".join(f.to_html(full_html=False, include_plotlyjs=False, div_id=f"hist-{i}",
                                config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs))
     available = {k for r in runs for s in r["samples"] for k in s["tokens"]}
-    radios = "".join(f'<label><input type="radio" name="colour" value="{k}"{" checked" if k == "advantages" else ""}>'
-                     f"{html.escape(label)}</label>" for k, label, _, _ in COLOURINGS if k in available)
+    radios = "".join(f'<label><input type="radio" name="colour" value="{k}"'
+                     f'{" checked" if k == "advantages" else ""}>{html.escape(label)}</label>'
+                     for k, label, _, _ in COLOURINGS if k in available)
     data = {"runs": [{"output": r["output"], "samples": r["samples"]} for r in runs],
             "colourings": [list(c) for c in COLOURINGS if c[0] in available]}
     payload = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     title = f"chatrl inspector: step {step} of {Path(runs[0]['output']).name}" + (
         f" vs {Path(runs[1]['output']).name}" if other else "")
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="chatrl-charts" content="{len(figs)}">'
-            f"<title>{html.escape(title)}</title><style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script>"
-            f"</head><body><h1>{html.escape(title)}</h1><p class=\"sub\">written {time.strftime('%Y-%m-%d %H:%M:%S')} · "
-            f"plotly {plotly.__version__} · <code>python -m chatrl.inspect {html.escape(str(output))} --step {step}"
-            f"{' --diff ' + html.escape(str(other)) if other else ''}</code>; hover a token for every figure</p>"
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="chatrl-charts" content="{len(figs)}"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style>"
+            f"<script>{plotly.offline.get_plotlyjs()}</script></head><body><h1>{html.escape(title)}</h1>"
+            f"<p class=\"sub\">written {time.strftime('%Y-%m-%d %H:%M:%S')} · plotly {plotly.__version__} · "
+            f"<code>python -m chatrl.inspector {html.escape(str(output))} --step {step}"
+            f"{' --diff ' + html.escape(str(other)) if other else ''}</code>; hover a token for every "
+            "figure</p>"
             f'<div style="display:flex;gap:12px">{"".join(_figures_table(r) for r in runs)}</div>'
             f'<div class="charts">{charts}</div>'
             f'<div id="controls">colour by: {radios}<label>PPO epoch <input id="epoch" type="number" min="1" '
             f'max="{epochs}" value="{epochs}" style="width:3em"></label><span id="legend"></span></div>'
             f'<div id="cols" class="cols"></div>'
-            f'<script type="application/json" id="inspector-data">{payload}</script><script>{JS}</script></body></html>')
+            f'<script type="application/json" id="inspector-data">{payload}</script>'
+            f"<script>{JS}</script></body></html>")
 
 
 def write_inspector(output: str | os.PathLike, step: int, other: str | os.PathLike | None = None,
@@ -312,26 +320,30 @@ def write_inspector(output: str | os.PathLike, step: int, other: str | os.PathLi
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.inspect OUTPUT --step N [--diff OTHER] [--out FILE]``."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.inspect", description=__doc__,
+    """``python -m chatrl.inspector OUTPUT --step N [--diff OTHER] [--out FILE]``."""
+    p = argparse.ArgumentParser(prog="python -m chatrl.inspector", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("output", help="step 3's --output_dir (or train.py's --output-dir), run with --save_rollouts")
+    p.add_argument("output", help="step 3's --output_dir (or train.py's --output-dir), run with "
+                                  "--save_rollouts")
     p.add_argument("--step", type=int, default=None, help="the recorded step (default: the last one)")
-    p.add_argument("--diff", default=None, help="another run's output folder, shown beside it at the same step")
-    p.add_argument("--out", default=None, help="where to write the HTML (default: OUTPUT/rollouts/step_N.html)")
+    p.add_argument("--diff", default=None,
+                   help="another run's output folder, shown beside it at the same step")
+    p.add_argument("--out", default=None,
+                   help="where to write the HTML (default: OUTPUT/rollouts/step_N.html)")
     a = p.parse_args(argv)
     step = a.step
     if step is None:
         have = recorded_steps(resolve_output(a.output))
         if not have:
-            raise SystemExit(f"chatrl.inspect: {a.output} holds no rollout record (run step 3 with --save_rollouts N)")
+            raise SystemExit(f"chatrl.inspector: {a.output} holds no rollout record (run step 3 with "
+                             "--save_rollouts N)")
         step = have[-1]
     try:
         path = write_inspector(a.output, step, a.diff, a.out)
     except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.inspect: {e}") from None
+        raise SystemExit(f"chatrl.inspector: {e}") from None
     except ImportError as e:
-        raise SystemExit(f"chatrl.inspect needs {e.name}: pip install -e \".[web]\"") from None
+        raise SystemExit(f"chatrl.inspector needs {e.name}: pip install -e \".[web]\"") from None
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
