@@ -47,13 +47,14 @@ def step3(out: Path, work: Path, extra: list[str], steps: int = 3, temperature_o
 
 
 def step1(out: Path, work: Path, patch: str | None = None):
+    import chatrl.run as lifecycle
     import chatrl.step1_sft.main as sft
 
     argv = base_argv("sft", work, out, micro=2, gas=2, steps=2, extra=["--max_steps", "2"])
     i = argv.index("--stop_after_steps")
     del argv[i:i + 2]
     argv.remove("--disable_loss_scale_probe")
-    saved = sft.sft_nll, sft.batches_from
+    saved = sft.sft_nll, lifecycle.batches_from  # the run draws each step's batches
     if patch == "loss_twice":
         sft.sft_nll = lambda *a, **kw: (lambda nll, n: (nll / 2, n))(*saved[0](*a, **kw))  # divided by gas once more
     elif patch == "skipped_data":
@@ -62,11 +63,11 @@ def step1(out: Path, work: Path, patch: str | None = None):
             if step == 0:
                 next(it)  # a batch drawn and never fed to the loss
             return it
-        sft.batches_from = skipping
+        lifecycle.batches_from = skipping
     try:
         sft.run(argv)
     finally:
-        sft.sft_nll, sft.batches_from = saved
+        sft.sft_nll, lifecycle.batches_from = saved
 
 
 def main():
