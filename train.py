@@ -209,10 +209,10 @@ def smollm2_plan(output: Path) -> tuple[str, str, Presets]:
     model fits every rank; ZeRO-0 is the fastest stage on 2 CPU ranks), the hybrid engine for
     generation, every step's dtype ``auto`` (bf16 on a CPU with AVX512-BF16, else fp32).
 
-    The model is already a chat model: step 1 fine-tunes it gently (learning rate 1e-5, 32 steps of 16
+    The model is already a chat model: step 1 fine-tunes it gently (learning rate 1e-5, 16 steps of 16
     conversations) on the chosen answers, so it keeps ending its turns; each step is capped in steps so
-    that the whole preset, evaluation included, fits in about an hour on 2 CPU cores
-    (``docs/real_model.md`` has the figures)."""
+    that the whole preset, evaluation included, takes about an hour on 2 CPU cores (71 minutes measured
+    with other work beside step 1; ``docs/real_model.md`` has the figures)."""
     pairs = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "helpful-online")]
     common = {"data_path": pairs, "data_split": "2,4,4", "data_output_path": output / "data_cache", "zero_stage": 0}
     # micro-batches of 4 (8 sequences of a pair in step 2) with 2 accumulated: the same global batch of 16 as
