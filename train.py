@@ -752,9 +752,7 @@ def main(argv: list[str] | None = None) -> None:
         except BaseException:  # a failed step: its curves and alerts help to see why
             print(report_note(out), flush=True)
             raise
-        print(f"step {s} done in {times[s] / 60:.1f} min; peak resident memory of a process {peak / 1024:.2f} GiB",
-              flush=True)
-        record_cost(out, f"step{s}", times[s], peak)
+        print(f"step {s} {record_cost(out, f'step{s}', times[s], peak)}", flush=True)
         print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
     evaluate_pipeline(pipe)
     if a.step2_method == "dpo":
@@ -902,9 +900,7 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
             except Interrupted as stop:
                 print(("\n" if sys.stdout.isatty() else "") + stop.message(a.overwrite), flush=True)
                 raise SystemExit(130) from None
-            print(f"step 2 ({r.name}) done in {took / 60:.1f} min; peak resident memory of a process "
-                  f"{peak / 1024:.2f} GiB", flush=True)
-            record_cost(out, "gold_reward", took, peak)
+            print(f"step 2 ({r.name}) {record_cost(out, 'gold_reward', took, peak)}", flush=True)
     result = out / "eval" / "eval.json"
     newest = max((f / RUN_MARKER).stat().st_mtime for f in (final, dirs[1], gold) if f is not None and
                  (f / RUN_MARKER).exists())
@@ -938,14 +934,13 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
     if code != 0:
         raise SystemExit(f"train.py: the evaluation failed with exit code {code}; the models are saved. Full log: "
                          f"{log_path}; rerun the same command to evaluate again (finished steps are skipped)")
-    record_cost(out, "evaluation", time.time() - t0, peak)
-    print(f"evaluation done in {time.time() - t0:.0f} s (peak resident memory {peak / 1024:.2f} GiB): {result}",
-          flush=True)
+    print(f"evaluation {record_cost(out, 'evaluation', time.time() - t0, peak)}: {result}", flush=True)
 
 
-def record_cost(out: Path, part: str, seconds: float, peak_mib: float) -> None:
+def record_cost(out: Path, part: str, seconds: float, peak_mib: float) -> str:
     """Keep what a part of the pipeline cost in ``OUTPUT/logs/costs.json`` (``{part: {"wall_s",
-    "peak_rss_mib", "finished"}}``, the last run of each part): the figures the docs quote per step."""
+    "peak_rss_mib", "finished"}}``, the last run of each part): the figures the docs quote per step.
+    Returns the words train.py prints after the part's name ("done in … min; peak resident memory …")."""
     path = out / "logs" / "costs.json"
     try:
         costs = json.loads(path.read_text(encoding="utf-8"))
@@ -955,6 +950,7 @@ def record_cost(out: Path, part: str, seconds: float, peak_mib: float) -> None:
                    "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs, indent=1) + "\n", encoding="utf-8")
+    return f"done in {seconds / 60:.1f} min; peak resident memory of a process {peak_mib / 1024:.2f} GiB"
 
 
 if __name__ == "__main__":

@@ -49,12 +49,6 @@ AGREEMENT_BOUNDS = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.1}
 #: norm itself (torch's float32 norm of a 3.2M-element embedding gradient is off by 3e-4 on CPU).
 LOSS_SCALE_RTOL = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
 
-#: Sequences (or pairs) per part of the loss-scale probe's reference: its one-micro-batch loss is summed
-#: part by part, each part's gradient taken before the next (the same gradient up to rounding), so rank 0
-#: never holds a whole global batch's activations and logits (on a 135M model with a 49K vocabulary, a
-#: global batch of 16 × 256 tokens in one piece took rank 0 from 5 to 11 GiB).
-PROBE_CHUNK = 4
-
 PROPERTIES = {"agreement": "sampler/trainer agreement", "weight_version": "weight version",
               "data_accounting": "data accounting", "loss_scale": "loss scale"}
 
@@ -428,11 +422,6 @@ def loss_parts(loss) -> list | object:
     """A reference loss as parts: a 0-dim tensor becomes ``[loss]``; an iterable of 0-dim tensors is
     returned as it is (consumed lazily by :meth:`LossScaleProbe.check`)."""
     return [loss] if isinstance(loss, torch.Tensor) else loss
-
-
-def sequence_chunks(n: int, size: int = PROBE_CHUNK) -> list[range]:
-    """``range(n)`` cut into consecutive ranges of at most ``size`` (the loss-scale probe's parts)."""
-    return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 def merge_loss_scale(props: list[Property]) -> Property:

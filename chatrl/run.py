@@ -37,16 +37,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from chatrl import dist
-from chatrl.certificate import (
-    SupervisedEvidence,
-    sequence_chunks,  # noqa: F401 (the programs' probe references cut by it)
-)
+from chatrl.certificate import SupervisedEvidence
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.data.collate import MicroBatches
 from chatrl.resilience import set_progress
 from chatrl.sizes import BatchSizes, StepPlan, plan_steps
 from chatrl.tracking import Tracker
 from chatrl.weights import save_hf_model, save_snapshot_if_due
+
+#: Sequences (or pairs) per part of the loss-scale probe's reference (``Step.probe``): the programs sum its
+#: one-micro-batch loss part by part, each part's gradient taken before the next (the same gradient up to
+#: rounding), so rank 0 never holds a whole global batch's activations and logits (on a 135M model with a
+#: 49K vocabulary, a global batch of 16 × 256 tokens in one piece took rank 0 from 5 to 11 GiB).
+PROBE_CHUNK = 4
+
+
+def sequence_chunks(n: int, size: int = PROBE_CHUNK) -> list[range]:
+    """``range(n)`` cut into consecutive ranges of at most ``size`` (the loss-scale probe's parts)."""
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def one_batch_loss(dataset, collate, settings: DPOConfig):
     probe's reference): every rank's pairs collated together, the mean per-pair loss, with the
     reference log-probs the loop computed for them (``parts``: per rank, ``(sample_index, ref)`` per
     micro-batch, ``ref`` the reference's ``(chosen, rejected)`` log-probs or None), in parts of
-    :data:`chatrl.certificate.PROBE_CHUNK` pairs (each part's summed loss over the pair count)."""
+    :data:`chatrl.run.PROBE_CHUNK` pairs (each part's summed loss over the pair count)."""
 
     def loss(model, parts: list):
         micro = [m for part in parts for m in part]

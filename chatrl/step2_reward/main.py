@@ -116,7 +116,7 @@ def describe_eval(m: dict) -> str:
 def one_batch_loss(dataset, collate):
     """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
     probe's reference): every rank's ``sample_index`` collated together, the mean pairwise loss, in
-    parts of :data:`chatrl.certificate.PROBE_CHUNK` pairs (each part's summed loss over the pair count)."""
+    parts of :data:`chatrl.run.PROBE_CHUNK` pairs (each part's summed loss over the pair count)."""
 
     def loss(model, parts: list):
         rows = [dataset[i] for part in parts for idx in part for i in idx.tolist()]
