@@ -1,7 +1,7 @@
 """A small reference reward server: ``python -m chatrl.reward_server``.
 
 Serves any chatrl reward (a Python function, a built-in rule, a trained reward model, or a
-weighted sum of them) over the JSON protocol of :mod:`chatrl.rewards.http` (``docs/rewards.md``),
+weighted sum of them) over the JSON protocol of :mod:`chatrl.rewards.remote` (``docs/rewards.md``),
 so rewards can run on another machine than training::
 
     python -m chatrl.reward_server --reward_fn exact_match --port 8000

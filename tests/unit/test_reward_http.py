@@ -203,7 +203,7 @@ def test_other_4xx_fail_at_once_with_the_servers_message(scripted, status):
 
 
 def test_retry_after_header_values():
-    from chatrl.rewards.http import is_transient, retry_after_s
+    from chatrl.rewards.remote import is_transient, retry_after_s
 
     assert [is_transient(c) for c in (408, 429, 500, 503, 599, 400, 404, 413, 200)] == [True] * 5 + [False] * 4
     assert retry_after_s("0", 10) == 0 and retry_after_s("2.5", 10) == 2.5 and retry_after_s("120", 10) == 10
@@ -294,8 +294,8 @@ def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_mod
     from chatrl.models import load_tokenizer
     from chatrl.reward_model import load_reward_model
     from chatrl.rewards import ModelReward, reward_batch_from_tokens
-    from chatrl.rewards.http import encode_request
     from chatrl.rewards.model import TextRewardModel
+    from chatrl.rewards.remote import encode_request
 
     rm_dir = str(qwen2_reward_model)
     tok = load_tokenizer(rm_dir, padding_side="left")
