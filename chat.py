@@ -31,7 +31,7 @@ from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
 from chatrl.conversation import HUMAN_MARKER, ToolSession, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.dist import place_threads_for_load
+from chatrl.distributed.dist import place_threads_for_load
 from chatrl.envs import load_environment
 from chatrl.errors import UsageError
 from chatrl.models import (

@@ -44,11 +44,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import cli, config, model_zoo, multinode
+from chatrl import cli, config, model_zoo
 from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
 from chatrl.config import setting, to_argv, uses
-from chatrl.dist import free_port
+from chatrl.distributed import multinode
+from chatrl.distributed.dist import free_port
 from chatrl.errors import UsageError
 from chatrl.eval.main import build_parser as eval_parser
 from chatrl.eval.settings import EvalPipelineConfig
@@ -352,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def launcher(deployment: str, num_gpus: int | None, hostfile: str, master_port: int | None,
              node_rank: int | None = None, master_addr: str | None = None) -> tuple[list, dict]:
-    """The DeepSpeed launcher command and environment for a deployment (multi_node: see chatrl.multinode)."""
+    """The DeepSpeed launcher command and environment for a deployment (multi_node: see chatrl.distributed.multinode)."""
     cmd = [str(Path(sys.executable).with_name("deepspeed"))]
     if not Path(cmd[0]).exists():
         cmd = ["deepspeed"]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from chatrl.dist import all_reduce_max, all_reduce_sum, barrier, get_rank, get_world_size, is_main
+from chatrl.distributed.dist import all_reduce_max, all_reduce_sum, barrier, get_rank, get_world_size, is_main
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class DataAccounting:
     """Which examples of the training set each epoch fed to the loss, against the data order.
 
     Args:
-        loader: the step's loader (:func:`chatrl.dist.seeded_loader`: batches carry ``sample_index``,
+        loader: the step's loader (:func:`chatrl.distributed.dist.seeded_loader`: batches carry ``sample_index``,
             its sampler gives this rank's order of an epoch).
         steps_per_epoch: training steps per epoch. batches_per_step: loader batches per step.
         skipped: ``{reason: rows}`` the data pipeline skipped (:class:`chatrl.data.SkipReport`).

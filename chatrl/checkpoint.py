@@ -9,7 +9,7 @@
 * the data position of a resumed loop: :func:`batches_from` (a loader at a step's first batch)
   and :class:`Cycle` (step 3's endless PTX batches, with the count to skip).
 
-Imports :mod:`chatrl.dist` and :mod:`chatrl.resilience`; neither imports this module.
+Imports :mod:`chatrl.distributed.dist` and :mod:`chatrl.distributed.resilience`; neither imports this module.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from chatrl.config import CheckpointConfig
-from chatrl.dist import barrier, get_rank, is_main
+from chatrl.distributed.dist import barrier, get_rank, is_main
+from chatrl.distributed.resilience import NonFiniteError, NonFiniteGuard, set_progress
 from chatrl.errors import UsageError
-from chatrl.resilience import NonFiniteError, NonFiniteGuard, set_progress
 
 log = logging.getLogger(__name__)
 

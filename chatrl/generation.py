@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from chatrl.config import HybridEngineConfig
-from chatrl.dist import DistInfo, all_reduce_sum
+from chatrl.distributed.dist import DistInfo, all_reduce_sum
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import family_of
 from chatrl.models import base_model, stop_token_ids

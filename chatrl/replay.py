@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 from chatrl.rollout_records import read_step, resolve_output
 
 #: The program each rank runs (step 3's side of the replay), started by module name.

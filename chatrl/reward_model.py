@@ -36,6 +36,7 @@ from chatrl.config import LoraConfig
 from chatrl.data.examples import left_cut
 from chatrl.data.formatting import encode_examples
 from chatrl.data.schema import HUMAN, parse_transcript
+from chatrl.distributed.weights import save_hf_model
 from chatrl.models import (
     apply_lora,
     base_model,
@@ -46,7 +47,6 @@ from chatrl.models import (
 )
 from chatrl.packing import PackedRows
 from chatrl.precision import attention_kwargs, compute_in_fp32
-from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Loading a model to train, the same way in every step: load → LoRA → gradient checkpointing.
 
-Then :func:`chatrl.dist.trained_engine` wraps it with its optimizer and schedule. Steps 1 and DPO
+Then :func:`chatrl.distributed.dist.trained_engine` wraps it with its optimizer and schedule. Steps 1 and DPO
 train causal LMs, step 2 a reward model, step 3 both (the actor, and the critic from a reward model).
 """
 

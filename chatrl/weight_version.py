@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl.dist import get_rank
+from chatrl.distributed.dist import get_rank
 from chatrl.models import base_model
 
 #: Linear layers sampled, and elements per layer.

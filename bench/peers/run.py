@@ -156,7 +156,7 @@ def _launch(cmd: list[str], log: Path, timeout: float) -> tuple[float, dict]:
 
 
 def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool = False) -> dict:
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     d = work / f"trl_{stage}_{tag}{'_padding_free' if padding_free else ''}"
     d.mkdir()
@@ -179,7 +179,7 @@ def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool
 
 def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | None = None,
                packing: bool | None = None) -> dict:
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     dtype = dtype or a.dtype
     packing = a.packing if packing is None else packing

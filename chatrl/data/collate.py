@@ -178,7 +178,7 @@ class MicroBatches:
     rank calls it then). Tokens are counted as ``collate`` lays them out: summed when it packs
     (``collate.packs``), count × longest when it pads; an example's sequences come from
     ``collate.lengths(example)``. Each micro-batch holds ``sample_index`` ``(b,)`` when the examples
-    carry theirs (:func:`chatrl.dist.seeded_loader` with ``collate=list``).
+    carry theirs (:func:`chatrl.distributed.dist.seeded_loader` with ``collate=list``).
     """
 
     def __init__(self, collate, per_micro_batch: int, max_tokens: int, device, all_reduce_max=None):
@@ -192,7 +192,7 @@ class MicroBatches:
         for g in groups:
             part = [examples[i] for i in g]
             batch = to_device(self.collate(part), self.device)
-            if part and "sample_index" in part[0]:  # from chatrl.dist.seeded_loader: the data accounting's
+            if part and "sample_index" in part[0]:  # from chatrl.distributed.dist.seeded_loader: the data accounting's
                 batch["sample_index"] = torch.tensor([int(x["sample_index"]) for x in part], dtype=torch.long)
             out.append(batch)
         return out

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import dist
 from chatrl.config import DataConfig
 from chatrl.data.cache import Columns, cache_key, load_or_build, to_hf_dataset, tokenizer_fingerprint
 from chatrl.data.examples import PHASE_COLUMNS, tokenize_samples
@@ -24,6 +23,7 @@ from chatrl.data.report import SkipReport
 from chatrl.data.schema import KIND_PAIRS, KIND_PROMPTS, KIND_SFT
 from chatrl.data.sources import Source, fingerprint_entry, read_source
 from chatrl.data.split import parse_data_split, phase_rows
+from chatrl.distributed import dist
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from chatrl import cli, config
-from chatrl.dist import place_threads_for_load
+from chatrl.distributed.dist import place_threads_for_load
+from chatrl.distributed.resilience import report_failure
 from chatrl.errors import UsageError
 from chatrl.eval import ANSWERS_FILE, EVAL_FILE
 from chatrl.eval.answers import Reference, answer_prompts, decodings, encode_eval_prompts
@@ -54,7 +55,6 @@ from chatrl.eval.summary import (
     series_of,
 )
 from chatrl.models import context_window, load_causal_lm, sampling_settings
-from chatrl.resilience import report_failure
 from chatrl.reward_model import has_reward_head
 
 

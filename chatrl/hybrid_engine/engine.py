@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from chatrl.config import HybridEngineConfig
-from chatrl.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
+from chatrl.distributed.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from chatrl.distributed.weights import gathered
 from chatrl.hybrid_engine.tp_plan import (
     SUPPORTED_FAMILIES,
     decoder_layers,
@@ -32,7 +33,6 @@ from chatrl.hybrid_engine.tp_plan import (
 )
 from chatrl.models import base_model
 from chatrl.precision import compute_in_fp32, computes_in_fp32
-from chatrl.weights import gathered
 
 log = logging.getLogger(__name__)
 

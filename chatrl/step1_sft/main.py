@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
 from chatrl.data.collate import PackedSFTCollator
 from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
+from chatrl.distributed import dist
 from chatrl.generation import eos_rate
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.step1_sft.loss import full_nll, labelled_tokens, only_rows, sft_nll

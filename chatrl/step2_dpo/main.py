@@ -40,9 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
+from chatrl.distributed import dist
 from chatrl.generation import eos_rate
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.step2_dpo.batch import (

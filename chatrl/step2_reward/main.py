@@ -38,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
 from chatrl.data.collate import PackedPairCollator
+from chatrl.distributed import dist
 from chatrl.reward_model import pair_stats, pairwise_losses, save_reward_model
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.trainable import load_trainable

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chatrl import dist
 from chatrl.certificate import LossScaleProbe
+from chatrl.distributed import dist
 from chatrl.models import load_causal_lm
 from chatrl.reward_model import load_reward_model
 from chatrl.sizes import BatchSizes, PPOPlan

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-from chatrl import dist
 from chatrl.certificate import (
     Certificate,
     DataAccounting,
@@ -27,6 +26,7 @@ from chatrl.certificate import (
     pipeline_skips,
     weight_version_property,
 )
+from chatrl.distributed import dist
 from chatrl.rollout_records import write_step
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from chatrl import cli, config, dist
+from chatrl import cli, config
 from chatrl.checkpoint import CHECKPOINT_DIR
+from chatrl.distributed import dist
 from chatrl.rl.stats import PooledStats
 from chatrl.rollout_records import compare_figures, compare_rank, read_step, resolve_output
 from chatrl.step3_ppo.main import build, build_parser, learn_from, restore

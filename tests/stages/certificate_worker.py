@@ -24,9 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-from chatrl import cli, dist
+from chatrl import cli
 from chatrl.certificate import read_certificate
-from chatrl.dist import run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
 from chatrl.weight_version import WeightVersionError
 from tests.stages.loop_runs import base_argv
 

@@ -84,7 +84,7 @@ def main():
     import threading
 
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     port = server.server_address[1] if rank == 0 else free_port()  # nothing listens there
     source = HttpReward(f"http://127.0.0.1:{port}/", timeout=2, retries=1)

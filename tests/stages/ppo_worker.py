@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from chatrl import dist
 from chatrl.cli import parse
-from chatrl.dist import run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
 from chatrl.models import load_tokenizer
 from chatrl.reward_model import load_reward_model, save_reward_model
 from chatrl.step3_ppo.main import build, build_parser, train

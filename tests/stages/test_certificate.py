@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 from tests.conftest import REPO
 from tests.launch import run_ranks
 

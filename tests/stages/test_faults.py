@@ -139,7 +139,7 @@ def test_errors_a_user_causes_inside_the_ranks_are_one_line_each(tmp_path):
     rows without references. Each is now one line naming the cause, and no traceback."""
     from pathlib import Path
 
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     def run_ranks(args, check, timeout):  # under the DeepSpeed launcher, as the per-step scripts run them
         launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port",

@@ -217,7 +217,7 @@ def test_ctrl_c_under_the_deepspeed_launcher_is_one_line_and_a_rerun_never_overw
     import time
     from pathlib import Path
 
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
     from tests.launch import REPO
 
     out = tmp_path / "sft"

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from chatrl import dist
 from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
 from chatrl.cli import parse
 from chatrl.config import LoraConfig
 from chatrl.data import build_phase_data, load_samples
+from chatrl.distributed import dist
 from chatrl.errors import UsageError
 from chatrl.models import apply_lora, load_causal_lm, load_tokenizer, torch_dtype
 from chatrl.sizes import BatchSizes

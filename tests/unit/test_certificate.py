@@ -123,7 +123,7 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def _loader(batch_size: int = 2):
-    from chatrl.dist import DistInfo, seeded_loader
+    from chatrl.distributed.dist import DistInfo, seeded_loader
 
     def collate(items):
         return {"x": torch.cat([it["x"] for it in items])}

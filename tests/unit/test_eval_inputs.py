@@ -171,9 +171,9 @@ def test_every_reward_kind_is_a_judge():
 
 def test_snapshots_are_written_every_interval_but_the_last_and_listed_in_step_order(tmp_path, capsys):
     from chatrl.cli import parse
+    from chatrl.distributed.weights import list_snapshots, save_snapshot_if_due
     from chatrl.models import load_causal_lm, load_tokenizer
     from chatrl.step3_ppo.main import build_parser
-    from chatrl.weights import list_snapshots, save_snapshot_if_due
 
     tok = load_tokenizer(str(STORIES))
     model = load_causal_lm(str(STORIES), tok)

@@ -64,7 +64,7 @@ def test_finder_sees_a_cycle():
 
 def test_chatrl_modules_import_no_cycle():
     graph = import_graph()
-    assert "chatrl.dist" in graph and graph["chatrl.step3_ppo.main"], "the walk found the package's imports"
+    assert "chatrl.distributed.dist" in graph and graph["chatrl.step3_ppo.main"], "the walk found the package's imports"
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -108,7 +108,7 @@ def test_chatrl_imports_sit_at_module_tops():
 
 
 def test_deepspeed_workarounds_live_in_one_module():
-    """What chatrl changes in DeepSpeed is in chatrl.deepspeed_patches alone."""
+    """What chatrl changes in DeepSpeed is in chatrl.distributed.deepspeed_patches alone."""
     markers = ("build_shm_op", "reduce_scatter_function", "muon_optimizer", "allreduce_gradients")
     found = [f"{p.relative_to(PKG.parent)}: {m}" for p in PKG.rglob("*.py") if p.name != "deepspeed_patches.py"
              for m in markers if m in p.read_text()]

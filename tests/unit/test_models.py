@@ -111,8 +111,8 @@ def test_export_keeps_tied_embeddings_and_live_config(tmp_path, lora_dim):
     from transformers import AutoModelForCausalLM
 
     from chatrl.config import LoraConfig
+    from chatrl.distributed.weights import save_hf_model
     from chatrl.models import apply_lora, base_model, load_causal_lm
-    from chatrl.weights import save_hf_model
 
     tok = load_tokenizer(str(STORIES))
     model = load_causal_lm(str(STORIES), tok)
@@ -130,9 +130,9 @@ def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
     """The exported generation config lists <|im_end|> among its EOS ids."""
     from transformers import GenerationConfig
 
+    from chatrl.distributed.weights import save_hf_model
     from chatrl.models import load_causal_lm
     from chatrl.tiny import TinySpec, make_tiny_model
-    from chatrl.weights import save_hf_model
 
     make_tiny_model("qwen2", tmp_path / "q", TinySpec(hidden=32, layers=1, heads=2, ffn=64))
     tok = load_tokenizer(str(tmp_path / "q"))

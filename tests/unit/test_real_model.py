@@ -146,8 +146,8 @@ def test_tied_embeddings_stay_one_tensor_through_the_pad_row_lora_and_the_export
     from transformers import AutoModelForCausalLM
 
     from chatrl.config import LoraConfig
+    from chatrl.distributed.weights import save_hf_model
     from chatrl.models import apply_lora, load_causal_lm
-    from chatrl.weights import save_hf_model
 
     model = load_causal_lm(str(FOLDER), tok)
     assert model.get_input_embeddings().weight.shape[0] == 49160  # the <pad> row, rounded to a multiple of 8

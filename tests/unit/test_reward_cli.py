@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from chatrl.dist import shard_for_eval
+from chatrl.distributed.dist import shard_for_eval
 from chatrl.step2_reward.main import build_parser, split_pairs
 from chatrl.step2_reward.score import encode_rows, prompt_messages
 

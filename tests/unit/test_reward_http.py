@@ -213,7 +213,7 @@ def test_retry_after_header_values():
 
 
 def test_no_server_is_a_clear_error():
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     url = f"http://127.0.0.1:{free_port()}/"
     with pytest.raises(RewardError, match=rf"reward server {url} at step 4: failed after 1 attempt\(s\): "

@@ -55,7 +55,7 @@ def test_stop_set_is_the_union_of_turn_end_eos_and_declared_ids_never_the_pad(st
 def test_exports_keep_the_declared_stop_ids_and_plain_generate_stops_there(stories, tmp_path):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from chatrl.weights import save_hf_model
+    from chatrl.distributed.weights import save_hf_model
 
     tok, model, ids = stories
     save_hf_model(model, tok, tmp_path / "export")
@@ -126,7 +126,7 @@ def test_step3_rollout_mask_penalty_and_eos_rate_use_the_declared_stop(stories, 
 
 
 def test_eos_checks_and_web_chat_use_the_declared_stop(stories):
-    from chatrl.dist import DistInfo
+    from chatrl.distributed.dist import DistInfo
     from chatrl.generation import eos_rate
     from chatrl.web_chat import ChatModel
 

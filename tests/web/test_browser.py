@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 from tests.conftest import REPO, STORIES
 
 ARTIFACTS = Path(os.environ.get("CHATRL_TEST_ARTIFACTS", REPO / "tests" / "artifacts"))

@@ -4,7 +4,7 @@ Step code calls these functions and never branches on the backend: initialisatio
 gloo with ``DS_ACCELERATOR=cpu`` elsewhere, a one-process group when started without a launcher),
 the DeepSpeed config (from the batch sizes of :mod:`chatrl.sizes`), engine creation and
 cross-rank reductions. Gathering ZeRO-3 weights and saving HF-format checkpoints is
-:mod:`chatrl.weights`.
+:mod:`chatrl.distributed.weights`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import NoReturn
 
 import torch
 
-from chatrl import deepspeed_patches
 from chatrl.config import LoraConfig, OptimConfig, ZeroConfig
+from chatrl.distributed import deepspeed_patches
+from chatrl.distributed.resilience import INTERRUPTED, report_failure, skip_nonfinite_steps
 from chatrl.models import lora_enabled, optimizer_param_groups
-from chatrl.resilience import INTERRUPTED, report_failure, skip_nonfinite_steps
 from chatrl.sizes import BatchSizes
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def run_program(main: Callable[[], object]) -> NoReturn:
     signal 6, after all output was written, so the launcher reports a finished step as failed
     (core dump of a 2-rank ZeRO-3 probe: ``~AsyncAllgatherWork`` → ``decref`` →
     ``PyThread_exit_thread``; 3 of 6 probe runs aborted with ``shutdown()`` alone, 0 of 8 with
-    this). An exception is reported by :func:`chatrl.resilience.report_failure` and propagates
+    this). An exception is reported by :func:`chatrl.distributed.resilience.report_failure` and propagates
     (the interpreter exits non-zero as usual); Ctrl-C ends the process at once with code 130 after
     its one line.
     """
@@ -518,7 +518,7 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     A model without an optimizer (frozen reference / reward) is wrapped for inference: ZeRO-3
     partitions it, stages 0–2 just move it to the device. With an optimizer, a step whose gradients
     are not finite is skipped at every ZeRO stage (counted in ``engine.skipped_steps``, schedule
-    held; see :mod:`chatrl.resilience`).
+    held; see :mod:`chatrl.distributed.resilience`).
     """
     import deepspeed
 
