@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import config, model_zoo
+from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
 from chatrl.conversation import HUMAN_MARKER, ToolSession, prompt_ids_within
@@ -34,15 +34,16 @@ from chatrl.data.formatting import uses_chat_template
 from chatrl.distributed.dist import place_threads_for_load
 from chatrl.envs import load_environment
 from chatrl.errors import UsageError
-from chatrl.models import (
-        check_context_window,
-        context_window,
-        load_chat_lm,
-        load_tokenizer,
-        sampling_settings,
-        stop_token_ids,
-    )
-from chatrl.precision import resolve_dtype
+from chatrl.models import model_zoo
+from chatrl.models.causal_lm import (
+    check_context_window,
+    context_window,
+    load_chat_lm,
+    load_tokenizer,
+    sampling_settings,
+    stop_token_ids,
+)
+from chatrl.models.precision import resolve_dtype
 from chatrl.web_chat import serve
 
 

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import cli, config, model_zoo
+from chatrl import cli, config
 from chatrl.checkpoint import RUN_MARKER, list_checkpoints
 from chatrl.cli import normalize_argv
 from chatrl.config import setting, to_argv, uses
@@ -53,8 +53,9 @@ from chatrl.distributed.dist import free_port
 from chatrl.errors import UsageError
 from chatrl.eval.main import build_parser as eval_parser
 from chatrl.eval.settings import EvalPipelineConfig
+from chatrl.models import model_zoo
+from chatrl.models.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
-from chatrl.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.report import report_note
 from chatrl.rewards import check_reward_metadata, kinds, split_weight
 from chatrl.rl import algorithms
@@ -76,7 +77,7 @@ STEP_NAMES = {1: "supervised fine-tuning", 2: "reward model", 3: "RLHF"}
 def resolve_model(name: str) -> str:
     """A local folder stays as it is (made absolute); a short name (``opt-1.3b``), a packaged model
     (``smollm2-135m-instruct``) or a ``.gguf`` file becomes what transformers loads
-    (:func:`chatrl.model_zoo.resolve`); others (hub names) pass through.
+    (:func:`chatrl.models.model_zoo.resolve`); others (hub names) pass through.
 
     Raises:
         SystemExit: a packaged model not fetched yet, or a GGUF file that does not convert (one line).
@@ -203,7 +204,7 @@ REAL_MODEL = "smollm2-135m-instruct"
 
 def smollm2_plan(output: Path) -> tuple[str, str, Presets]:
     """The real-model run on this machine (``--preset smollm2``): SmolLM2-135M-Instruct, fetched and
-    converted by ``python -m chatrl.model_zoo smollm2-135m-instruct``, as actor, reward-model and
+    converted by ``python -m chatrl.models.model_zoo smollm2-135m-instruct``, as actor, reward-model and
     gold-judge backbone; real hh-rlhf helpfulness pairs from ../shared (helpful-base and
     helpful-online, 3,491 pairs, ``--data_split 2,4,4``: step 1 and the gold judge see the first share,
     step 2 the second, step 3's prompts and the evaluation the third); 2 CPU ranks at ZeRO-0 (a 135M
@@ -234,7 +235,7 @@ def smollm2_plan(output: Path) -> tuple[str, str, Presets]:
 PRESET_PLANS = {"demo": demo_plan, "smollm2": smollm2_plan}
 PRESETS = {"demo": "the offline end-to-end run on this machine: stories260K, real data, 2 CPU ranks",
            "smollm2": "the real chat model SmolLM2-135M-Instruct on real data, 2 CPU ranks, about an hour "
-                      "(python -m chatrl.model_zoo smollm2-135m-instruct first; docs/real_model.md)"}
+                      "(python -m chatrl.models.model_zoo smollm2-135m-instruct first; docs/real_model.md)"}
 
 # The demo's evaluation (python -m chatrl.eval flags beside those eval_flags derives from the runs): step 3's
 # 93 held-out prompts, a greedy and a sampled answer per model (5 models: step 1, three snapshots, the final

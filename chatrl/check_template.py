@@ -27,7 +27,7 @@ from chatrl.config import REQUIRED, setting
 from chatrl.data.formatting import check_messages
 from chatrl.data.template_check import check_tokenizer, failures, format_table
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 
 
 @dataclass

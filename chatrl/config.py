@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from chatrl import precision
 from chatrl.errors import UsageError
+from chatrl.models import precision
 from chatrl.rl import algorithms
 from chatrl.rl.loss import (
     KL_LOSS_ESTIMATORS,

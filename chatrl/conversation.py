@@ -77,7 +77,7 @@ class ToolSession:
 
     Args:
         tokenizer: the model's. make_env: :func:`chatrl.envs.load_environment`'s factory.
-        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.stop_token_ids`, the
+        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.causal_lm.stop_token_ids`, the
             end-of-turn token first (only an answer ending with it is followed by an observation).
     """
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 from chatrl.rollout_records import read_step, recorded_steps, resolve_output, step_dir
 
 #: The colourings offered (key, label, kind): ``diverging`` around ``center``, ``sequential`` from 0.

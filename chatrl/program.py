@@ -13,7 +13,7 @@ from chatrl.config import CheckpointConfig, LogConfig
 from chatrl.distributed.dist import DistInfo, barrier, init_distributed
 from chatrl.distributed.resilience import set_progress, stop_on_ctrl_c
 from chatrl.distributed.weights import SNAPSHOT_DIR
-from chatrl.models import check_context_window, check_packing, load_tokenizer
+from chatrl.models.causal_lm import check_context_window, check_packing, load_tokenizer
 from chatrl.rollout_records import ROLLOUTS_DIR
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, setup_logging
 

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from chatrl import config
 from chatrl.cli import normalize_argv
-from chatrl.precision import DTYPE_CHOICES
+from chatrl.models.precision import DTYPE_CHOICES
 from chatrl.rewards import RewardContext, WeightedReward, decode_request, kinds
 
 log = logging.getLogger(__name__)

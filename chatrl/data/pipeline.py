@@ -165,7 +165,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
         phase: 1 (SFT), 2 (reward model) or 3 (PPO).
         data_paths: entries (see :mod:`chatrl.data.sources`); all are blended, train rows in
             entry order (shuffling is the sampler's job).
-        tokenizer: a tokenizer prepared by :func:`chatrl.models.prepare_tokenizer`.
+        tokenizer: a tokenizer prepared by :func:`chatrl.models.causal_lm.prepare_tokenizer`.
         data_split: ``--data_split`` phase weights for pair sources.
         max_seq_len: longest prompt + answer (phases 1–2); prompts are cut from the left to fit.
         max_prompt_len: longest prompt in phase 3 (cut from the left, counted as ``truncated``).

@@ -23,7 +23,7 @@ import torch
 from chatrl.config import LoraConfig, OptimConfig, ZeroConfig
 from chatrl.distributed import deepspeed_patches
 from chatrl.distributed.resilience import INTERRUPTED, report_failure, skip_nonfinite_steps
-from chatrl.models import lora_enabled, optimizer_param_groups
+from chatrl.models.causal_lm import lora_enabled, optimizer_param_groups
 from chatrl.sizes import BatchSizes
 
 log = logging.getLogger(__name__)
@@ -486,13 +486,13 @@ def trained_engine(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig,
 
     The one builder of every trained model (steps 1 and 2, DPO, step 3's actor and critic):
     parameter groups (no weight decay on biases and norms, the LoRA weights at their own rate,
-    :func:`chatrl.models.optimizer_param_groups`) → AdamW (:func:`make_optimizer`) → the schedule
+    :func:`chatrl.models.causal_lm.optimizer_param_groups`) → AdamW (:func:`make_optimizer`) → the schedule
     (``transformers.get_scheduler``: ``--lr_scheduler_type`` with ``warmup_steps`` of linear
     warm-up over ``total_steps``) → the DeepSpeed config (:func:`deepspeed_config`) →
     :func:`initialize`. A collective under ZeRO-3: every rank calls it.
 
     Args:
-        model: the model (loaded whole, LoRA applied: :func:`chatrl.trainable.load_trainable`).
+        model: the model (loaded whole, LoRA applied: :func:`chatrl.models.trainable.load_trainable`).
         optim: its optimizer block (for step 3, read with the model's prefix: ``--actor_learning_rate``).
         lora: its LoRA block (the LoRA learning rate). zero: its ZeRO block (stage, offload).
         dtype: ``fp32`` | ``bf16`` | ``fp16``.

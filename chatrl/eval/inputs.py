@@ -13,7 +13,7 @@ from chatrl.data.sources import read_source
 from chatrl.data.split import parse_data_split, phase_rows
 from chatrl.distributed.weights import list_snapshots
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 
 
 @dataclass(frozen=True)

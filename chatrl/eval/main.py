@@ -54,8 +54,8 @@ from chatrl.eval.summary import (
     pair_outcomes,
     series_of,
 )
-from chatrl.models import context_window, load_causal_lm, sampling_settings
-from chatrl.reward_model import has_reward_head
+from chatrl.models.causal_lm import context_window, load_causal_lm, sampling_settings
+from chatrl.models.reward_model import has_reward_head
 
 
 def build_parser():

@@ -31,9 +31,9 @@ from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
 from chatrl.distributed import dist
 from chatrl.generation import eos_rate
+from chatrl.models.trainable import load_trainable
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.step1_sft.loss import full_nll, labelled_tokens, only_rows, sft_nll
-from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step1")
 

@@ -22,11 +22,11 @@ import torch
 
 from chatrl.certificate import LossScaleProbe
 from chatrl.distributed import dist
-from chatrl.models import load_causal_lm
-from chatrl.reward_model import load_reward_model
+from chatrl.models.causal_lm import load_causal_lm
+from chatrl.models.reward_model import load_reward_model
+from chatrl.models.trainable import load_trainable
 from chatrl.sizes import BatchSizes, PPOPlan
 from chatrl.step3_ppo.settings import Step3Settings
-from chatrl.trainable import load_trainable
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from chatrl.distributed.weights import save_hf_model
 from chatrl.envs import load_environment
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import check_inference_tp
-from chatrl.models import (
+from chatrl.models.causal_lm import (
     check_context_window,
     check_packing,
     load_tokenizer,
@@ -38,8 +38,8 @@ from chatrl.models import (
     stop_token_ids,
     torch_dtype,
 )
+from chatrl.models.reward_model import save_reward_model
 from chatrl.packing import pack
-from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, RewardContext, WeightedReward, build_reward, check_reward_metadata
 from chatrl.rl import core
 from chatrl.rl.loss import check_rollout_is

@@ -51,7 +51,7 @@ from chatrl.config import PackingConfig, PPOConfig
 from chatrl.envs import EnvFactory
 from chatrl.envs.rollout import episode_seed, run_episodes
 from chatrl.logprobs import token_logprobs
-from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
+from chatrl.models.causal_lm import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
 from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
 from chatrl.rewards.base import decode_exactly

@@ -21,7 +21,7 @@ import torch
 
 from chatrl.distributed.dist import run_program
 from chatrl.distributed.weights import full_state_dict
-from chatrl.models import load_causal_lm, load_tokenizer
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
 from chatrl.step2_dpo.main import run
 from chatrl.step2_dpo.reference import batch_logps
 from tests.conftest import DATA, STORIES

@@ -22,7 +22,7 @@ from chatrl.distributed.dist import run_program
 from chatrl.distributed.weights import gathered
 from chatrl.hybrid_engine import HybridEngine, HybridEngineFallbackWarning
 from chatrl.hybrid_engine.inference_copy import release_host_memory
-from chatrl.models import apply_lora, base_model, load_causal_lm, load_tokenizer
+from chatrl.models.causal_lm import apply_lora, base_model, load_causal_lm, load_tokenizer
 from chatrl.sizes import BatchSizes
 
 TOL = 1e-4

@@ -15,7 +15,7 @@ from chatrl.distributed import dist
 from chatrl.distributed.dist import run_program
 from chatrl.distributed.resilience import NonFiniteError, NonFiniteGuard
 from chatrl.distributed.weights import full_state_dict
-from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
 from chatrl.sizes import BatchSizes
 
 

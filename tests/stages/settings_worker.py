@@ -106,8 +106,8 @@ def prepare(work: Path, info) -> dict:
     """The table's placeholders: a perturbed copy of stories260K, it as a reward model with a fresh
     head, and a reward server on rank 0 (its URL shared with every rank)."""
     from chatrl.distributed.weights import save_hf_model
-    from chatrl.models import load_causal_lm, load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
     from chatrl.reward_server import make_server
     from chatrl.rewards import FunctionReward, WeightedReward
     from tests.conftest import STORIES

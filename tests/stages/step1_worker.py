@@ -12,7 +12,7 @@ import torch
 
 from chatrl.distributed.dist import is_main, run_program
 from chatrl.distributed.weights import full_state_dict
-from chatrl.models import causal_lm_logits
+from chatrl.models.causal_lm import causal_lm_logits
 from chatrl.step1_sft.main import run
 
 

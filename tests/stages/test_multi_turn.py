@@ -163,7 +163,7 @@ def test_every_turn_sft_on_sharegpt_and_oasst_stops_at_the_end_of_turn_in_chat(t
 
     from chatrl.data.sources import read_source
     from chatrl.data.turns import encode_conversation
-    from chatrl.models import load_tokenizer, stop_token_ids
+    from chatrl.models.causal_lm import load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(str(STORIES))
     sharegpt, oasst = _short_conversations(tok)

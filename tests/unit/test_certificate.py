@@ -281,8 +281,8 @@ def test_loss_scale_reference_in_parts_has_the_one_piece_gradient(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.collate import PairCollator, SFTCollator
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, pairwise_losses
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, pairwise_losses
     from chatrl.step1_sft.loss import token_nll
     from chatrl.step1_sft.main import one_batch_loss as sft_reference
     from chatrl.step2_reward.main import one_batch_loss as reward_reference

@@ -8,7 +8,7 @@ import pytest
 from chatrl.checkpoint import check_output_dir, write_run_marker
 from chatrl.cli import normalize_argv
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 from tests.conftest import REPO, STORIES
 
 

@@ -21,7 +21,7 @@ PROMPTS = str(DATA / "hh-rlhf" / "helpful-base") + "[0:40]"
 def models(tmp_path_factory) -> dict[str, Path]:
     """Model folders: a random-init Llama with stories260K's tokenizer, one with GPT-2's, stories260K's
     weights without a tokenizer, and a step-3 output made of stories260K and the random model."""
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("eval_models")
     spec = TinySpec(hidden=64, layers=2, heads=4, ffn=128)

@@ -223,8 +223,8 @@ def test_no_server_is_a_clear_error():
 
 def test_text_reward_model_scores_like_the_model(tiny_opt, tmp_path):
     from chatrl.data import encode_answer, encode_prompt
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
     from chatrl.rewards.model import TextRewardModel
 
     tok = load_tokenizer(str(tiny_opt))
@@ -250,9 +250,9 @@ def test_text_reward_model_scores_like_the_model(tiny_opt, tmp_path):
 @pytest.fixture(scope="module")
 def qwen2_reward_model(tmp_path_factory, shared):
     """A tiny reward model with the Qwen2 tokenizer (ChatML template) and a random head."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("qwen2_rm")
     make_tiny_model("qwen2", root / "lm", TinySpec(hidden=32, layers=2, heads=2, ffn=64))
@@ -291,8 +291,8 @@ def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_mod
     """A reward model behind `python -m chatrl.reward_server` gives the score the in-process model
     gives to step 3's rollouts (ChatML markers, a prompt with marker text, arbitrary ids, a cut answer);
     before, prompts lost their markers on the way and were templated anew (another text, another score)."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model
     from chatrl.rewards import ModelReward, reward_batch_from_tokens
     from chatrl.rewards.model import TextRewardModel
     from chatrl.rewards.remote import encode_request

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatrl.models import load_causal_lm, load_tokenizer, stop_token_ids
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer, stop_token_ids
 from tests.conftest import STORIES, TOKENIZERS
 
 STORY_TOKENS = 342  # greedy new tokens of stories260K after "Once upon a time", its BOS stop included
@@ -42,7 +42,7 @@ def test_stop_set_is_the_union_of_turn_end_eos_and_declared_ids_never_the_pad(st
     im_end = qwen.convert_tokens_to_ids("<|im_end|>")
     assert stop_token_ids(qwen) == [im_end, qwen.eos_token_id]
     # a model that declares its pad id (and another id) as EOS: the pad is never a stop id
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     m, t = make_tiny_model("llama", tmp_path / "m", TinySpec(hidden=16, layers=1, heads=2, ffn=32))
     m.generation_config.eos_token_id = [t.eos_token_id, t.pad_token_id, 7]

@@ -10,7 +10,7 @@ import pytest
 
 from chatrl import check_template
 from chatrl.data.template_check import CHECKS, FAIL, NA, PASS, check_tokenizer, format_table
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 from tests.conftest import SHARED
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
