@@ -204,7 +204,7 @@ class LoopCheckpoints:
             as per-rank safetensors of its (ZeRO-3: local) parameters.
         extra_state: name → an object with ``state_dict()`` (a collective: every rank calls it; rank 0's
             result is saved as ``NAME.pt``, tensors and plain containers) and ``load_state_dict(state)``
-            (every rank, on resume): the data accounting (:class:`chatrl.certificate.DataAccounting`).
+            (every rank, on resume): the data accounting (:class:`chatrl.evidence.certificate.DataAccounting`).
         spare: ``spare(step) -> bool``: checkpoints of such steps outlive ``--save_total_limit`` (step 3:
             the one a recorded step starts from, which ``python -m chatrl.replay`` needs).
     """

@@ -4,7 +4,7 @@
     python -m chatrl.inspector OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
 
 ``OUTPUT`` is step 3's ``--output_dir`` (or ``train.py``'s, whose ``step3_rlhf/`` is used), run with
-``--save_rollouts`` (:mod:`chatrl.rollout_records`). Every recorded rollout is shown as its tokens:
+``--save_rollouts`` (:mod:`chatrl.evidence.rollout_records`). Every recorded rollout is shown as its tokens:
 the prompt in grey, the answer coloured by one quantity at a time, chosen at the top: the loss mask,
 the advantage, the sampler − trainer log-prob, the importance weight, the PPO ratio and the clip hits
 of each PPO epoch, the per-token KL to the reference, the entropy, the value and the return; hovering
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from chatrl.evidence.rollout_records import read_step, recorded_steps, resolve_output, step_dir
 from chatrl.models.causal_lm import load_tokenizer
-from chatrl.rollout_records import read_step, recorded_steps, resolve_output, step_dir
 
 #: The colourings offered (key, label, kind): ``diverging`` around ``center``, ``sequential`` from 0.
 COLOURINGS = (

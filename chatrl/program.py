@@ -7,14 +7,14 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from chatrl.certificate import CERTIFICATE_FILE
 from chatrl.checkpoint import CHECKPOINT_DIR, RUN_MARKER, check_output_dir, resume_path
 from chatrl.config import CheckpointConfig, LogConfig
 from chatrl.distributed.dist import DistInfo, barrier, init_distributed
 from chatrl.distributed.resilience import set_progress, stop_on_ctrl_c
 from chatrl.distributed.weights import SNAPSHOT_DIR
+from chatrl.evidence.certificate import CERTIFICATE_FILE
+from chatrl.evidence.rollout_records import ROLLOUTS_DIR
 from chatrl.models.causal_lm import check_context_window, check_packing, load_tokenizer
-from chatrl.rollout_records import ROLLOUTS_DIR
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, setup_logging
 
 

@@ -2,7 +2,7 @@
 
     python -m chatrl.replay OUTPUT --step N [--atol X]
 
-Reads the rollout record of step ``N`` (``--save_rollouts``, :mod:`chatrl.rollout_records`), builds
+Reads the rollout record of step ``N`` (``--save_rollouts``, :mod:`chatrl.evidence.rollout_records`), builds
 the run again from its recorded flags, loads the checkpoint of step ``N - 1``, trains on the recorded
 rollouts (step 3's side: ``chatrl/step3_ppo/replay.py``), and compares, in the order they are
 computed: the weight stamps of the rollouts against the checkpoint's weights, the reference
@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 from chatrl.distributed.dist import free_port
-from chatrl.rollout_records import read_step, resolve_output
+from chatrl.evidence.rollout_records import read_step, resolve_output
 
 #: The program each rank runs (step 3's side of the replay), started by module name.
 RANK_PROGRAM = "chatrl.step3_ppo.replay"

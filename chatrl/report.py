@@ -7,11 +7,11 @@
 write: ``logs/metrics.jsonl`` (every curve, train and eval; the rows of a resumed run are joined,
 with its resume points marked), ``logs/samples.jsonl`` (step 3's rollouts over time),
 ``chatrl_run.json`` (a finished step's flags and final metrics), ``certificate.json`` (the step's
-correctness certificate, :mod:`chatrl.certificate`), ``OUTPUT_DIR/logs/stepN.log`` (the command
+correctness certificate, :mod:`chatrl.evidence.certificate`), ``OUTPUT_DIR/logs/stepN.log`` (the command
 that ran a step) and ``OUTPUT_DIR/eval/eval.json`` (the evaluation's figures, :mod:`chatrl.eval`).
 On top: the verdict (step 3's score and EOS rate trends, :func:`chatrl.tracking.step_trend`, and the
 evaluation's final win rate), each step's certificate (every property with its figure, bound and pass/fail), then the
-run-health alerts (:mod:`chatrl.alerts`) with their step and figure; then per step the headline
+run-health alerts (:mod:`chatrl.evidence.alerts`) with their step and figure; then per step the headline
 figures, wall time and its split, the charts, the samples and the flags; then the evaluation: win
 rates with intervals, the KL / win-rate frontier over step 3's snapshots, and answers side by side.
 Charts are drawn with plotly, whose JavaScript is embedded once, so the
@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
-from chatrl.certificate import read_certificate
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.eval import EVAL_FILE, NO_JUDGE, length_controlled_text, verdict
+from chatrl.evidence.alerts import ALERT_PREFIX, Alert, check_rows
+from chatrl.evidence.certificate import read_certificate
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics, step_trend
 
 REPORT_FILE = "report.html"

@@ -18,7 +18,7 @@ maths stays written out in the program's loop, top to bottom::
 
 The run owns, in this order, after each step's body: the progress (bar, failure reports), the
 non-finite guard (``--max_nonfinite_steps``: :class:`chatrl.checkpoint.LoopCheckpoints`), the
-step's figures, the observer's ``after_step`` (the certificate: :class:`chatrl.certificate.RunObserver`),
+step's figures, the observer's ``after_step`` (the certificate: :class:`chatrl.evidence.certificate.RunObserver`),
 logging every ``--log_interval`` steps, evaluation every ``--eval_interval`` steps, at each epoch's
 end and at the last step, checkpoints (``--save_interval``, and those the observer needs), HF
 snapshots (``--save_hf_interval``) and ``--stop_after_steps``; at :meth:`Run.finish`, the
@@ -36,12 +36,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from chatrl.certificate import SupervisedEvidence
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.data.collate import MicroBatches
 from chatrl.distributed import dist
 from chatrl.distributed.resilience import set_progress
 from chatrl.distributed.weights import save_hf_model, save_snapshot_if_due
+from chatrl.evidence.certificate import SupervisedEvidence
 from chatrl.sizes import BatchSizes, StepPlan, plan_steps
 from chatrl.tracking import Tracker
 
@@ -144,7 +144,7 @@ class Step:
 
     def probe(self, items, reference_loss: Callable) -> None:
         """The loss-scale probe's inputs: this rank's ``items`` of the step's global batch and
-        ``reference_loss(model, items_of_every_rank)`` (:meth:`chatrl.certificate.LossScaleProbe.check`)."""
+        ``reference_loss(model, items_of_every_rank)`` (:meth:`chatrl.evidence.certificate.LossScaleProbe.check`)."""
         self.probe_input = (items, reference_loss)
 
     def grad_norm(self, engine: str = "model") -> float | None:
@@ -167,7 +167,7 @@ class Run:
         info: this rank (:class:`chatrl.distributed.dist.DistInfo`).
         schedule: :class:`Schedule`. loader: the training loader (``dist.seeded_loader``).
         saved: :class:`Saved`, what checkpoints hold.
-        observer: the certificate (:class:`chatrl.certificate.RunObserver`).
+        observer: the certificate (:class:`chatrl.evidence.certificate.RunObserver`).
         opening: the line that describes the run, written first (then the schedule's notes).
         evaluation: :class:`Evaluation`, or None (no eval split).
         state: ``state() -> dict``, the program's own part of a checkpoint (JSON; step 3's KL

@@ -282,7 +282,7 @@ def seeded_loader(dataset, batch_size: int, collate, info: DistInfo, seed: int, 
     The loader has its own seeded generator: creating an iterator must not draw from the global
     RNG, so a resumed run sees exactly the batches and random numbers of an uninterrupted one.
     Every batch (``collate``'s dict) also holds ``sample_index`` ``(B,)``, the examples' positions in
-    ``dataset`` (the run's data accounting, :class:`chatrl.certificate.DataAccounting`); with
+    ``dataset`` (the run's data accounting, :class:`chatrl.evidence.certificate.DataAccounting`); with
     ``collate=list`` each item holds its own (:class:`chatrl.data.collate.MicroBatches` collects them).
     """
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,

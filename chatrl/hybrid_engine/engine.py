@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from chatrl.config import HybridEngineConfig
 from chatrl.distributed.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
+from chatrl.evidence.weight_version import WeightFingerprint, WeightStamp
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
 from chatrl.logprobs import logprobs_from_logits
 from chatrl.models.causal_lm import base_model, sampling_settings
-from chatrl.weight_version import WeightFingerprint, WeightStamp
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class HybridEngine:
             node has a CPU per thread of every rank).
 
     Every :meth:`generate` stamps the weights it generated with (:meth:`sampler_stamp`: their
-    version and checksum, read from the model that decoded, :mod:`chatrl.weight_version`);
+    version and checksum, read from the model that decoded, :mod:`chatrl.evidence.weight_version`);
     :meth:`training_stamp` reads the same of the training weights.
 
     Attributes:

@@ -98,7 +98,7 @@ def eval_prompts(dataset, n: int) -> list:
 
 def one_batch_loss(dataset, collate):
     """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
-    probe's reference, :class:`chatrl.certificate.LossScaleProbe`): every rank's ``sample_index``
+    probe's reference, :class:`chatrl.evidence.certificate.LossScaleProbe`): every rank's ``sample_index``
     collated together, the mean next-token NLL over all labelled tokens, all logits computed. Yields it
     in parts of :data:`chatrl.run.PROBE_CHUNK` sequences, each the part's summed NLL over the
     whole batch's labelled-token count (their sum is that mean)."""

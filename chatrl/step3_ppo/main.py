@@ -28,6 +28,7 @@ from chatrl.distributed import dist
 from chatrl.distributed.resilience import nonfinite_scores
 from chatrl.distributed.weights import save_hf_model
 from chatrl.envs import load_environment
+from chatrl.evidence.weight_version import WeightVersionError
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import check_inference_tp
 from chatrl.models.causal_lm import (
@@ -51,7 +52,6 @@ from chatrl.step3_ppo.evidence import Step3Evidence
 from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
 from chatrl.tracking import Tracker, Trend
-from chatrl.weight_version import WeightVersionError
 
 log = logging.getLogger("chatrl.step3")
 
@@ -296,7 +296,7 @@ def train(run: Step3Run) -> dict:
     checkpoint; at the end the certificate and the HF folders. Returns the last logged metrics.
 
     Raises:
-        chatrl.weight_version.WeightVersionError: rollouts of other weights than the trainer's (every
+        chatrl.evidence.weight_version.WeightVersionError: rollouts of other weights than the trainer's (every
             rank; ``certificate.json`` is written first).
     """
     try:

@@ -4,7 +4,7 @@ the checkpoint of step ``N - 1`` (the weights, optimizer states and KL coefficie
 from; step 1 starts from the models as loaded), feeds each rank its recorded rollouts (tokens, sampler
 log-probs, scores and reward parts) through the trainer's experience and learning passes
 (:func:`chatrl.step3_ppo.main.learn_from`) and compares what they compute with the record
-(:func:`chatrl.rollout_records.compare_rank`, :func:`chatrl.rollout_records.compare_figures`). The
+(:func:`chatrl.evidence.rollout_records.compare_rank`, :func:`chatrl.evidence.rollout_records.compare_figures`). The
 replay writes its own logs under ``OUTPUT/replay/step_N``; the run's folder is left as it was.
 """
 
@@ -21,11 +21,11 @@ import torch
 from chatrl import cli, config
 from chatrl.checkpoint import CHECKPOINT_DIR
 from chatrl.distributed import dist
+from chatrl.evidence.rollout_records import compare_figures, compare_rank, read_step, resolve_output
+from chatrl.evidence.weight_version import WeightVersionError
 from chatrl.rl.stats import PooledStats
-from chatrl.rollout_records import compare_figures, compare_rank, read_step, resolve_output
 from chatrl.step3_ppo.main import build, build_parser, learn_from, restore
 from chatrl.step3_ppo.trainer import Experience
-from chatrl.weight_version import WeightVersionError
 
 
 def replay_argv(index: dict, output: Path, step: int) -> list[str]:

@@ -25,10 +25,10 @@ import sys
 from pathlib import Path
 
 from chatrl import cli
-from chatrl.certificate import read_certificate
 from chatrl.distributed import dist
 from chatrl.distributed.dist import run_program
-from chatrl.weight_version import WeightVersionError
+from chatrl.evidence.certificate import read_certificate
+from chatrl.evidence.weight_version import WeightVersionError
 from tests.stages.loop_runs import base_argv
 
 

@@ -54,7 +54,7 @@ def make_output(root: Path) -> Path:
             t.sample(step, "\n\nHuman: say <b>hi</b>\n\nAssistant:", f"hi number {step}", 0.2 + 0.01 * step, 0.1 * step,
                      show=False)
     t.close()
-    from chatrl.certificate import Certificate, Property
+    from chatrl.evidence.certificate import Certificate, Property
 
     c = Certificate(s1, "step 1 (SFT)")  # step 1 passes, step 2 fails its loss scale, step 3 has none yet
     c.add(Property("loss_scale", 2e-8, 1e-3, True, "loss scale (model) passed: ratio 1"))

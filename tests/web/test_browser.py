@@ -140,8 +140,8 @@ def test_inspector_renders_offline_and_recolours_tokens(browser, tmp_path):
     pytest.importorskip("plotly", reason="the inspector needs plotly: pip install -e '.[web]'")
     import torch
 
+    from chatrl.evidence.rollout_records import recorded_steps, write_step
     from chatrl.inspector import write_inspector
-    from chatrl.rollout_records import recorded_steps, write_step
     from tests.unit.test_certificate import _experience
 
     for run, seed in (("a", 0), ("b", 1)):
@@ -167,7 +167,7 @@ def test_inspector_renders_offline_and_recolours_tokens(browser, tmp_path):
     page.close()
     demo = os.environ.get("CHATRL_INSPECT_OUTPUT")
     if demo:
-        from chatrl.rollout_records import resolve_output
+        from chatrl.evidence.rollout_records import resolve_output
 
         page = open_page(browser, write_inspector(demo, recorded_steps(resolve_output(demo))[-1],
                                                   path=tmp_path / "demo.html").as_uri())

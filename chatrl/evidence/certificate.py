@@ -9,7 +9,7 @@ Each property is measured on the run itself and compared with a declared bound
    or ``--logp_diff_bound``);
 2. **weight version** (step 3): every rollout carries the version and checksum of the weights that
    generated it, and the trainer checked them against its own before learning
-   (:mod:`chatrl.weight_version`; a failure stops the run at that step);
+   (:mod:`chatrl.evidence.weight_version`; a failure stops the run at that step);
 3. **data accounting**: per epoch, which examples the loss saw, how often, against the data set and
    the sampler's order: examples seen, repeated, not seen by reason, skipped by the data pipeline
    by reason (:class:`DataAccounting`); a resumed run carries the counts in its checkpoints;
@@ -158,7 +158,7 @@ def agreement_property(max_gap: float | None, dtype: str, bound: float | None = 
 
 # ------------------------------------------------------------------------------- 2. weight version
 def weight_version_property(check) -> Property:
-    """Property 2 from a :class:`chatrl.weight_version.WeightVersionCheck` after the run (or its failure)."""
+    """Property 2 from a :class:`chatrl.evidence.weight_version.WeightVersionCheck` after the run (or its failure)."""
     if check.failure:
         return Property("weight_version", check.max_gap, check.max_bound, False, check.failure,
                         {"rollouts_checked": check.rollouts, "versions": check.versions})
