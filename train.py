@@ -56,13 +56,13 @@ from chatrl.eval.settings import EvalPipelineConfig
 from chatrl.models import model_zoo
 from chatrl.models.precision import DTYPE_CHOICES, resolve_dtype
 from chatrl.packing import BLOCK_MASK_FAMILIES, POSITION_ID_FAMILIES
-from chatrl.report import report_note
 from chatrl.rewards import check_reward_metadata, kinds, split_weight
 from chatrl.rl import algorithms
 from chatrl.step1_sft.main import build_parser as step1_parser
 from chatrl.step2_dpo.main import build_parser as dpo_parser
 from chatrl.step2_reward.main import build_parser as step2_parser
 from chatrl.step3_ppo.main import build_parser as step3_parser
+from chatrl.tools.report import report_note
 from chatrl.tracking import METRICS_FILE, read_metrics, results_line
 
 REPO = Path(__file__).resolve().parent
@@ -178,7 +178,7 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
     Warm-ups are fractions of each step's run (10 of step 1's 114 steps, 10 of step 2's 91, 5 of step
     3's 40), so that a shortened demo (``--step3-args "--max_steps 3"``) still fits; intervals longer
     than a shortened run simply do not fire. Step 3 records the batches of steps 20 and 40
-    (``--save_rollouts``) for ``python -m chatrl.inspector`` and ``python -m chatrl.replay``."""
+    (``--save_rollouts``) for ``python -m chatrl.tools.inspector`` and ``python -m chatrl.tools.replay``."""
     data = [str(SHARED / "data" / "hh-rlhf" / "helpful-base"), str(SHARED / "data" / "hh-rlhf" / "harmless-base")]
     model = str(SHARED / "models" / "stories260K")
     # fp32: in bf16 (--dtype bf16) the demo's step-2 accuracy and step-3 EOS rate came out lower (docs/precision.md)
@@ -194,7 +194,7 @@ def demo_plan(output: Path) -> tuple[str, str, Presets]:
              "per_device_training_batch_size": 16, "actor_learning_rate": "3e-4", "critic_learning_rate": "1e-3",
              "num_warmup_steps": 0.125, "max_steps": 40, "init_kl_coef": 0.1, "print_answers": True,
              "save_interval": 10, "save_hf_interval": 10,
-             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.inspector)
+             "save_rollouts": 20}  # records of steps 20 and 40 (python -m chatrl.tools.inspector)
     # --step2-method dpo: DPO takes step 1's settings; its warm-up stays the 10 steps of its 46 it always had
     return model, model, {1: step1, 2: step2, 3: step3, "dpo": {"num_warmup_steps": 0.2}}
 
@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> None:
             print(report_note(out), flush=True)
             raise
         print(f"step {s} {record_cost(out, f'step{s}', times[s], peak)}", flush=True)
-        print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.report OUTPUT refreshes it)
+        print(report_note(out), flush=True)  # OUTPUT/report.html (python -m chatrl.tools.report OUTPUT refreshes it)
     evaluate_pipeline(pipe)
     if a.step2_method == "dpo":
         if (dirs[2] / RUN_MARKER).exists():

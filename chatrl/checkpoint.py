@@ -206,7 +206,7 @@ class LoopCheckpoints:
             result is saved as ``NAME.pt``, tensors and plain containers) and ``load_state_dict(state)``
             (every rank, on resume): the data accounting (:class:`chatrl.evidence.certificate.DataAccounting`).
         spare: ``spare(step) -> bool``: checkpoints of such steps outlive ``--save_total_limit`` (step 3:
-            the one a recorded step starts from, which ``python -m chatrl.replay`` needs).
+            the one a recorded step starts from, which ``python -m chatrl.tools.replay`` needs).
     """
 
     def __init__(self, ckpt: CheckpointConfig, output_dir: str, engines: dict, layout: dict,

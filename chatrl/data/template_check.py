@@ -23,7 +23,7 @@ ids shown:
   environment's observation ids (:func:`chatrl.data.turns.observation_ids`) gives exactly the
   ids and mask that step 1 trains (:func:`chatrl.data.turns.encode_conversation`).
 
-``python -m chatrl.check_template MODEL_OR_TOKENIZER`` prints the findings table; steps 1 and 3
+``python -m chatrl.tools.check_template MODEL_OR_TOKENIZER`` prints the findings table; steps 1 and 3
 run :func:`check_startup` on a few rows of their data and stop on a failure
 (``--skip_template_check``). ``docs/multi_turn.md`` describes each check and its fixtures.
 """

@@ -20,7 +20,7 @@ ends with the EOS token. (A single-turn prompt of an hh-rlhf transcript keeps th
 whose earlier answers carry no EOS: ``docs/tokenization.md``.)
 
 Whether these ids equal what the template gives when it renders the whole conversation at once
-(prefix preservation) is what ``python -m chatrl.check_template`` checks
+(prefix preservation) is what ``python -m chatrl.tools.check_template`` checks
 (:mod:`chatrl.data.template_check`).
 """
 

@@ -18,7 +18,7 @@ Each property is measured on the run itself and compared with a declared bound
    on one rank, by the loss's definition, on a copy of the initial weights (:class:`LossScaleProbe`).
 
 :class:`Certificate` holds the properties and writes the file (rank 0, atomically); the run
-report (:mod:`chatrl.report`) shows it on top. A failed property is logged as an error naming the
+report (:mod:`chatrl.tools.report`) shows it on top. A failed property is logged as an error naming the
 property and its figure.
 """
 

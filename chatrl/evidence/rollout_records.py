@@ -17,8 +17,8 @@ Every N-th step writes ``OUTPUT_DIR/rollouts/step_NNNNNN/``:
   logged metrics.
 
 :func:`write_step` writes (every rank its own file; ``index.json`` last, so a folder with it is
-complete), :func:`read_step` reads back; ``python -m chatrl.inspector`` draws them and
-``python -m chatrl.replay`` trains on them again, comparing what it computes with what was recorded
+complete), :func:`read_step` reads back; ``python -m chatrl.tools.inspector`` draws them and
+``python -m chatrl.tools.replay`` trains on them again, comparing what it computes with what was recorded
 (:func:`compare_rank`, :func:`compare_figures`).
 """
 

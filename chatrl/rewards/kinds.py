@@ -145,7 +145,7 @@ class BuiltinKind(FunctionKind):
 
 
 class HttpKind(RewardKind):
-    """A reward server (``python -m chatrl.reward_server``, or any server of the protocol of
+    """A reward server (``python -m chatrl.tools.reward_server``, or any server of the protocol of
     :mod:`chatrl.rewards.remote`), asked with the ``--reward_http_*`` settings."""
 
     name, flag, summary = "http", "--reward_url", "a reward server over HTTP"

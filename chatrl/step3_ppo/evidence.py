@@ -10,7 +10,7 @@ step, at the start and the end) and keeps, across the run and its resumes:
   first actor optimizer step, on every rank, against the same rows as one micro-batch on one rank
   (:meth:`chatrl.step3_ppo.trainer.Trainer.one_batch_actor_loss`, ``one_batch_critic_loss``);
 * every ``--save_rollouts``-th step's record (:mod:`chatrl.evidence.rollout_records`), with a checkpoint
-  of the step before it, from which ``python -m chatrl.replay`` trains on the record again.
+  of the step before it, from which ``python -m chatrl.tools.replay`` trains on the record again.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import time
 import torch
 import torch.distributed as tdist
 
-from chatrl.reward_server import make_server
 from chatrl.rewards import (
     FunctionReward,
     HttpReward,
@@ -25,6 +24,7 @@ from chatrl.rewards import (
 )
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES, logp_diff
 from chatrl.rl.stats import PooledStats
+from chatrl.tools.reward_server import make_server
 from tests.unit.test_critic_free import critic_free_advantages, step_grad, toy_setup
 
 

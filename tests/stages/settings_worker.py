@@ -108,8 +108,8 @@ def prepare(work: Path, info) -> dict:
     from chatrl.distributed.weights import save_hf_model
     from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
     from chatrl.models.reward_model import load_reward_model, save_reward_model
-    from chatrl.reward_server import make_server
     from chatrl.rewards import FunctionReward, WeightedReward
+    from chatrl.tools.reward_server import make_server
     from tests.conftest import STORIES
     from tests.stages.loop_runs import letter_reward
 

@@ -268,7 +268,7 @@ def test_rollout_record_round_trip_and_the_first_differing_quantity(tmp_path):
 def test_inspector_page_of_a_record_and_a_diff(tmp_path):
     pytest.importorskip("plotly")
     from chatrl.evidence.rollout_records import write_step
-    from chatrl.inspector import build_html
+    from chatrl.tools.inspector import build_html
     from tests.conftest import STORIES
 
     for run, seed in (("a", 0), ("b", 1)):

@@ -21,7 +21,7 @@ import train  # noqa: E402
 PROGRAMS = {
     "step1": "chatrl.step1_sft.main", "step2": "chatrl.step2_reward.main", "score": "chatrl.step2_reward.score",
     "step3": "chatrl.step3_ppo.main", "dpo": "chatrl.step2_dpo.main", "eval": "chatrl.eval.main",
-    "check_template": "chatrl.check_template",
+    "check_template": "chatrl.tools.check_template",
 }
 
 

@@ -168,12 +168,12 @@ def test_chat_temperature_0_is_greedy_decoding(monkeypatch, capsys):
 
 def _parsers():
     """Every chatrl program's parser, with a flag prefix it must refuse and the flag it abbreviates."""
-    from chatrl.reward_server import build_parser as server
     from chatrl.step1_sft.main import build_parser as step1
     from chatrl.step2_dpo.main import build_parser as dpo
     from chatrl.step2_reward.main import build_parser as step2
     from chatrl.step2_reward.score import build_parser as score
     from chatrl.step3_ppo.main import build_parser as step3
+    from chatrl.tools.reward_server import build_parser as server
 
     base = ["--model_name_or_path", "m", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
     base3 = ["--actor_model_name_or_path", "a", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
@@ -202,7 +202,7 @@ def test_no_program_accepts_abbreviations_and_a_usage_error_is_one_line_from_ran
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args(argv)
         assert exit_.value.code == 2 and capsys.readouterr().err == ""
-    from chatrl import report
+    from chatrl.tools import report
 
     with pytest.raises(SystemExit):
         report.main(["o", "--ou", "x.html"])

@@ -89,7 +89,7 @@ def test_pretrained_beats_random_narrowly_and_swapping_the_models_mirrors_every_
 
 
 def test_a_step3_output_is_a_checkpoint_series_with_the_over_optimisation_check(tmp_path, models):
-    from chatrl.report import evaluation_html
+    from chatrl.tools.report import evaluation_html
 
     gold = f"{HERE / 'eval_judges.py'}:english_words"
     r = evaluate(tmp_path / "eval", "--models", str(STORIES), str(models["run"]), "--judge", JUDGE,

@@ -83,7 +83,7 @@ def test_layers():
         for t in targets:
             if step_of(t) is not None:
                 assert step_of(mod) == step_of(t), f"{mod} imports the step package of {t}"
-    assert not any(step_of(t) for t in graph["chatrl.replay"])
+    assert not any(step_of(t) for t in graph["chatrl.tools.replay"])
     assert graph["chatrl.logprobs"] == set()
     for mod in (m for m in graph if m.startswith("chatrl.rl")):
         allowed = {m for m in graph if m.startswith("chatrl.rl")} | {"chatrl.logprobs", "chatrl.errors"}

@@ -1,5 +1,5 @@
 """The HTTP reward path against real servers on 127.0.0.1: the reference server (in-process and as
-``python -m chatrl.reward_server``), and servers that are slow, malformed, flaky or absent."""
+``python -m chatrl.tools.reward_server``), and servers that are slow, malformed, flaky or absent."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from chatrl.reward_server import make_server
 from chatrl.rewards import FunctionReward, HttpReward, RewardBatch, RewardError, WeightedReward
+from chatrl.tools.reward_server import make_server
 from tests.launch import REPO
 
 ANSWERS = ["7", "It is 7.", "8", "seven", "-3", "12"]
@@ -69,7 +69,7 @@ def test_reference_server_reports_bad_requests_and_failing_rewards(reference_ser
 
 
 def test_reward_server_module_end_to_end(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "chatrl.reward_server", "--reward-fn", "exact_match",
+    proc = subprocess.Popen([sys.executable, "-m", "chatrl.tools.reward_server", "--reward-fn", "exact_match",
                              "--reward_fn", "0.5*chatrl.rewards.builtin:regex_format", "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
@@ -288,7 +288,7 @@ def chatml_rollouts(tok):
 
 
 def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_model):
-    """A reward model behind `python -m chatrl.reward_server` gives the score the in-process model
+    """A reward model behind `python -m chatrl.tools.reward_server` gives the score the in-process model
     gives to step 3's rollouts (ChatML markers, a prompt with marker text, arbitrary ids, a cut answer);
     before, prompts lost their markers on the way and were templated anew (another text, another score)."""
     from chatrl.models.causal_lm import load_tokenizer
@@ -313,7 +313,7 @@ def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_mod
     texts_only = text_model(RewardBatch(batch.prompts, batch.answers, step=2, formatted_texts=batch.formatted_texts))
     assert texts_only[0].item() == pytest.approx(in_process[0].item(), abs=1e-5)  # natural text tokenizes back alike
 
-    proc = subprocess.Popen([sys.executable, "-m", "chatrl.reward_server", "--reward_model", rm_dir, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "chatrl.tools.reward_server", "--reward_model", rm_dir, "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     try:

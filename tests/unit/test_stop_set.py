@@ -128,7 +128,7 @@ def test_step3_rollout_mask_penalty_and_eos_rate_use_the_declared_stop(stories, 
 def test_eos_checks_and_web_chat_use_the_declared_stop(stories):
     from chatrl.distributed.dist import DistInfo
     from chatrl.generation import eos_rate
-    from chatrl.web_chat import ChatModel
+    from chatrl.tools.web_chat import ChatModel
 
     tok, model, ids = stories
     info = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """The run report: one self-contained ``report.html`` of a chatrl output folder.
 
-    python -m chatrl.report OUTPUT_DIR          # writes OUTPUT_DIR/report.html (atomically) and prints its path
+    python -m chatrl.tools.report OUTPUT_DIR          # writes OUTPUT_DIR/report.html (atomically) and prints its path
 
 ``OUTPUT_DIR`` is ``train.py``'s ``--output-dir`` (with ``step1_actor/``, ``step2_reward/``,
 ``step3_rlhf/``) or one step's ``--output_dir``. The report reads only what the steps already
@@ -543,7 +543,7 @@ def build_html(output_dir: str | os.PathLike) -> tuple[str, int]:
            f"<title>chatrl run report: {_esc(Path(output_dir).resolve().name)}</title><style>{CSS}</style>"
            f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
            f"<h1>chatrl run report</h1><p class=\"sub\">{_esc(Path(output_dir).resolve())} · written {when} · "
-           f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.report {_esc(output_dir)}</code></p>"
+           f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.tools.report {_esc(output_dir)}</code></p>"
            + "".join(f'<p class="verdict"><b>{_esc(line)}</b></p>' for line in verdict_lines(runs, find_eval(output_dir)))
            + f"<h2>Correctness certificate</h2>{_certificates_html(runs)}"
            f"<h2>Run-health alerts</h2>{_alerts_html(runs)}{''.join(sections)}{evaluation}</body></html>")
@@ -571,8 +571,8 @@ def report_note(output_dir: str | os.PathLike) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.report OUTPUT``: write OUTPUT/report.html from the run's logs."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.report", description=__doc__, allow_abbrev=False,
+    """``python -m chatrl.tools.report OUTPUT``: write OUTPUT/report.html from the run's logs."""
+    p = argparse.ArgumentParser(prog="python -m chatrl.tools.report", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", help="train.py's --output-dir, or one step's --output_dir")
     p.add_argument("--out", default=None, help="where to write the HTML (default: OUTPUT_DIR/report.html)")
@@ -581,9 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path = write_report(a.output_dir, a.out)
     except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.report: {e}") from None
+        raise SystemExit(f"chatrl.tools.report: {e}") from None
     except ImportError as e:
-        raise SystemExit(f"chatrl.report needs {e.name}: pip install -e \".[web]\"") from None
+        raise SystemExit(f"chatrl.tools.report needs {e.name}: pip install -e \".[web]\"") from None
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {time.time() - t0:.1f} s)")
 
 
