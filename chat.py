@@ -8,7 +8,7 @@ window (minus the answer budget), the oldest turns are dropped first. Type ``cle
 new conversation and ``quit`` (or Ctrl-D) to leave. Input may be piped: one user turn per line.
 
 ``python chat.py --web --path <actor> [--compare <other actor>]`` serves the same chat as a web page
-on http://127.0.0.1:7860 (:mod:`chatrl.web_chat`), side by side with a second model if given.
+on http://127.0.0.1:7860 (:mod:`chatrl.tools.web_chat`), side by side with a second model if given.
 
 ``python chat.py --path <actor> --env calculator`` chats with an environment's tools, as step 3's
 ``--env`` trains with them (``docs/multi_turn.md``): each answer goes to the environment, and while
@@ -26,24 +26,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl import config, model_zoo
+from chatrl import config
 from chatrl.cli import normalize_argv
 from chatrl.config import REQUIRED, setting
 from chatrl.conversation import HUMAN_MARKER, ToolSession, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.dist import place_threads_for_load
+from chatrl.distributed.dist import place_threads_for_load
 from chatrl.envs import load_environment
 from chatrl.errors import UsageError
-from chatrl.models import (
-        check_context_window,
-        context_window,
-        load_chat_lm,
-        load_tokenizer,
-        sampling_settings,
-        stop_token_ids,
-    )
-from chatrl.precision import resolve_dtype
-from chatrl.web_chat import serve
+from chatrl.models import model_zoo
+from chatrl.models.causal_lm import (
+    check_context_window,
+    context_window,
+    load_chat_lm,
+    load_tokenizer,
+    sampling_settings,
+    stop_token_ids,
+)
+from chatrl.models.precision import resolve_dtype
+from chatrl.tools.web_chat import serve
 
 
 @dataclass
@@ -60,7 +61,7 @@ class ChatConfig:
 
 @dataclass
 class WebChatConfig:
-    """The web chat (``--web``, :mod:`chatrl.web_chat`)."""
+    """The web chat (``--web``, :mod:`chatrl.tools.web_chat`)."""
 
     web: bool = setting(False, "serve a chat page instead of the terminal loop")
     host: str = setting("127.0.0.1", "address the web chat binds (0.0.0.0 exposes it to the network)")

@@ -26,7 +26,7 @@ def self_launch(script: str | os.PathLike, nprocs: int, argv: list[str], env: di
     text in the result; otherwise they pass through. A non-zero exit is the caller's to report
     (``returncode``); nothing is raised for it.
     """
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
            "--master_port", str(free_port()), str(script), *argv]

@@ -1,6 +1,6 @@
 """Attention on this CPU in bf16 models: torch's SDPA in bf16 against chatrl's float32 island, printed as JSON.
 
-A bf16 model on CPU attends with :data:`chatrl.precision.FP32_SDPA`: transformers' SDPA on float32
+A bf16 model on CPU attends with :data:`chatrl.models.precision.FP32_SDPA`: transformers' SDPA on float32
 copies of the bf16 queries, keys and values, its output cast back to bf16. This benchmark times one
 attention forward + backward (the training step's) three ways for each shape the benchmarks' models
 use, on one thread (what one rank uses on this 2-core machine):
@@ -60,7 +60,7 @@ def _time(fn, q, k, v, mask) -> float:
 def main() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from chatrl.precision import _sdpa_in_fp32
+    from chatrl.models.precision import _sdpa_in_fp32
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7, help="timings per way and shape (default 7; each row is also "

@@ -1,7 +1,7 @@
 """Benchmark: one bf16 ZeRO-0 optimizer step, DeepSpeed's own against chatrl's
-(:func:`chatrl.deepspeed_patches.lean_bf16_zero0_step`), and the gradient flattening of the
+(:func:`chatrl.distributed.deepspeed_patches.lean_bf16_zero0_step`), and the gradient flattening of the
 ZeRO-0 all-reduce, DeepSpeed's (new memory) against chatrl's kept buffer
-(:func:`chatrl.deepspeed_patches.kept_allreduce_buffer`).
+(:func:`chatrl.distributed.deepspeed_patches.kept_allreduce_buffer`).
 
 One process, one thread (what a rank has on this 2-core machine), a one-rank gloo group. For each
 model shape, random OPT weights in bf16 under a DeepSpeed engine built as chatrl builds trained
@@ -35,7 +35,7 @@ def measure(shape: tuple[int, int, int, int], repeats: int) -> dict:
     from torch._utils import _flatten_dense_tensors
     from transformers import OPTConfig, OPTForCausalLM
 
-    from chatrl import dist
+    from chatrl.distributed import dist
     from chatrl.sizes import BatchSizes
 
     hidden, layers, ffn, vocab = shape
@@ -79,7 +79,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from chatrl import dist
+    from chatrl.distributed import dist
 
     dist.init_distributed()
     torch.set_num_threads(1)

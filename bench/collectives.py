@@ -1,5 +1,5 @@
 """Benchmark: gloo's all-reduce, reduce-scatter and all-gather of the same bytes, and DeepSpeed's
-reduce-scatter as chatrl installs it (:func:`chatrl.deepspeed_patches.gloo_reduce_scatter_by_all_reduce`).
+reduce-scatter as chatrl installs it (:func:`chatrl.distributed.deepspeed_patches.gloo_reduce_scatter_by_all_reduce`).
 
 Run it plainly and it launches itself over 2 CPU ranks (torchrun, gloo)::
 
@@ -42,7 +42,7 @@ def _measure(args) -> None:
     import torch
     from deepspeed import comm
 
-    from chatrl import dist
+    from chatrl.distributed import dist
 
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op loader prints there; stdout is the JSON
         info = dist.init_distributed()
@@ -79,7 +79,7 @@ def _measure(args) -> None:
 def main(argv=None) -> None:
     args = _args(argv)
     if "RANK" in os.environ:
-        from chatrl.dist import run_program
+        from chatrl.distributed.dist import run_program
 
         run_program(lambda: _measure(args))
     from bench._launch import self_launch

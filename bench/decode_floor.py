@@ -10,14 +10,14 @@ The LM head is timed in both forms, ``h @ Wᵀ`` and ``W @ hᵀ``, and bf16 prod
 weights reordered once for oneDNN (``chatrl.hybrid_engine.decode.PackedWeight``, the loop's form on
 CPU); the floor takes the fastest;
 ``--dtype bf16`` runs the model and the pieces in bf16, the model attending as chatrl's loaders make it
-attend on CPU (in fp32, :func:`chatrl.precision.attention_implementation`) and the floor's attention
+attend on CPU (in fp32, :func:`chatrl.models.precision.attention_implementation`) and the floor's attention
 timed the same way (float32 copies of the query and the cache, the output cast back).
 
     .venv/bin/python bench/decode_floor.py
     .venv/bin/python bench/decode_floor.py --dtype bf16 --rows 4 --new-tokens 64   # step 3's larger set-up
 
-``--model`` takes a real model instead (a folder or a ``chatrl.model_zoo`` name, loaded as chatrl's
-steps load it, ``chatrl.models.load_causal_lm``): the floor's pieces then follow its shape (every
+``--model`` takes a real model instead (a folder or a ``chatrl.models.model_zoo`` name, loaded as chatrl's
+steps load it, ``chatrl.models.causal_lm.load_causal_lm``): the floor's pieces then follow its shape (every
 linear layer of its decoder layers, its LM head, attention over its key/value heads with grouped-query
 heads shared). A second floor is printed beside the arithmetic one: reading the decoder layers'
 weights, the LM head and the KV cache once at this thread's measured memory bandwidth (a 256 MiB
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of every row (default 128)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per row (default 128)")
     ap.add_argument("--model", default=None,
-                    help="a real model (folder or chatrl.model_zoo name) instead of the random OPT")
+                    help="a real model (folder or chatrl.models.model_zoo name) instead of the random OPT")
     ap.add_argument("--plain-seconds", type=float, default=None,
                     help="plain ZeRO-3 generation time of bench/hybrid_engine.py in the same conditions")
     args = ap.parse_args(argv)
@@ -87,14 +87,14 @@ def main(argv=None) -> None:
         can_prepack,
         decode,
     )
-    from chatrl.precision import FP32_SDPA, attention_implementation, attention_kwargs
+    from chatrl.models.precision import FP32_SDPA, attention_implementation, attention_kwargs
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.model:
-        from chatrl.model_zoo import resolve
-        from chatrl.models import load_causal_lm, load_tokenizer
+        from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
+        from chatrl.models.model_zoo import resolve
 
         path = str(resolve(args.model)) if not str(args.model).startswith(("/", ".")) else args.model
         model = load_causal_lm(path, load_tokenizer(path, padding_side="left"), args.dtype).eval()

@@ -31,7 +31,7 @@ import torch
 def answer_token_logps(model, batch) -> torch.Tensor:
     """``(2B, T-1)`` log-prob of each next token, 0 off the answer (:func:`chatrl.step2_dpo.loss.answer_logps`
     before the sum)."""
-    from chatrl.models import causal_lm_logits
+    from chatrl.models.causal_lm import causal_lm_logits
 
     logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
@@ -41,7 +41,7 @@ def answer_token_logps(model, batch) -> torch.Tensor:
 @torch.no_grad()
 def probe(path: str, args) -> tuple[dict, dict]:
     from chatrl.data import build_phase_data
-    from chatrl.models import end_of_turn_token_id, load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import end_of_turn_token_id, load_causal_lm, load_tokenizer
     from chatrl.step1_sft.main import eos_rate
     from chatrl.step2_dpo.batch import DPOCollator
     from chatrl.step2_dpo.main import _ChosenAsSFT

@@ -61,7 +61,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(*sys.argv[2:5])
         return
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     work = tempfile.mkdtemp(prefix="chatrl_dpo_mem_")
     model = f"{work}/model"

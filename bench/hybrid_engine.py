@@ -72,8 +72,8 @@ def _worker(argv) -> None:
     import torch
     from transformers import OPTConfig, OPTForCausalLM
 
-    from chatrl import dist as cdist
     from chatrl.config import HybridEngineConfig
+    from chatrl.distributed import dist as cdist
     from chatrl.hybrid_engine import HybridEngine
     from chatrl.sizes import BatchSizes
 
@@ -128,7 +128,7 @@ def _worker(argv) -> None:
 
 if __name__ == "__main__":
     if "LOCAL_RANK" in os.environ:
-        from chatrl.dist import run_program
+        from chatrl.distributed.dist import run_program
 
         run_program(lambda: _worker(sys.argv[1:]))
     else:

@@ -154,7 +154,7 @@ def model_only(s: Setup, dtype: str, repeats: int = 5, bf16_sdpa: bool = False) 
 
     from transformers import OPTConfig, OPTForCausalLM, OPTModel
 
-    from chatrl.precision import attention_kwargs
+    from chatrl.models.precision import attention_kwargs
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     cfg = OPTConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,

@@ -105,7 +105,7 @@ def step1_runner(a, tok, items, packed: bool):
     from chatrl.data import SFTCollator
     from chatrl.data.collate import MicroBatches, PackedSFTCollator
     from chatrl.logprobs import IGNORE_INDEX
-    from chatrl.models import load_causal_lm
+    from chatrl.models.causal_lm import load_causal_lm
     from chatrl.step1_sft.loss import sft_nll
 
     collate = PackedSFTCollator(tok.pad_token_id) if packed else SFTCollator(tok.pad_token_id)
@@ -131,8 +131,8 @@ def pairs_runner(a, tok, items, packed: bool, dpo: bool):
 
     from chatrl.data import PairCollator
     from chatrl.data.collate import MicroBatches, PackedPairCollator
-    from chatrl.models import load_causal_lm
-    from chatrl.reward_model import load_reward_model, pairwise_losses
+    from chatrl.models.causal_lm import load_causal_lm
+    from chatrl.models.reward_model import load_reward_model, pairwise_losses
     from chatrl.step2_dpo.batch import DPOCollator, PackedDPOCollator, batch_answer_logps, split_pairs
     from chatrl.step2_dpo.loss import DPOConfig, preference_loss
     from chatrl.step2_dpo.reference import batch_logps
@@ -193,8 +193,8 @@ def step3_runner(a, tok, items, packed: bool):
     import torch
 
     from chatrl.config import PackingConfig, PPOConfig
-    from chatrl.models import load_causal_lm
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.causal_lm import load_causal_lm
+    from chatrl.models.reward_model import load_reward_model
     from chatrl.rl.stats import PooledStats
     from chatrl.step3_ppo.trainer import Trainer
 
@@ -243,7 +243,7 @@ def worker(a) -> None:
     import transformers
 
     from chatrl.data import phase_data
-    from chatrl.models import load_tokenizer
+    from chatrl.models.causal_lm import load_tokenizer
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(a.threads)
@@ -339,7 +339,7 @@ def main() -> None:
         a.cache = str(Path(work) / "cache")
         a.model_dir = a.model
         if a.model_dir is None:
-            from chatrl.tiny import TinySpec, make_tiny_model
+            from chatrl.models.tiny import TinySpec, make_tiny_model
 
             a.model_dir = str(Path(work) / "opt")
             make_tiny_model("opt", a.model_dir, TinySpec(hidden=a.hidden, layers=a.layers, heads=max(4, a.hidden // 64),

@@ -55,7 +55,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model = a.model
         if model is None:
-            from chatrl.tiny import make_tiny_model
+            from chatrl.models.tiny import make_tiny_model
 
             model = Path(work) / "opt"
             make_tiny_model("opt", model)

@@ -50,9 +50,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     import transformers
 
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, pairwise_loss
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, pairwise_loss
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     transformers.logging.set_verbosity_error()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

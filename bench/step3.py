@@ -56,9 +56,9 @@ KEYS = ["samples_per_s", "time/generate", "time/experience", "time/train", "time
 def make_models(work: Path, a) -> tuple[str, str]:
     import torch
 
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     actor = a.actor
     if actor is None:

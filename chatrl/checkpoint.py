@@ -9,7 +9,7 @@
 * the data position of a resumed loop: :func:`batches_from` (a loader at a step's first batch)
   and :class:`Cycle` (step 3's endless PTX batches, with the count to skip).
 
-Imports :mod:`chatrl.dist` and :mod:`chatrl.resilience`; neither imports this module.
+Imports :mod:`chatrl.distributed.dist` and :mod:`chatrl.distributed.resilience`; neither imports this module.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from chatrl.config import CheckpointConfig
-from chatrl.dist import barrier, get_rank, is_main
+from chatrl.distributed.dist import barrier, get_rank, is_main
+from chatrl.distributed.resilience import NonFiniteError, NonFiniteGuard, set_progress
 from chatrl.errors import UsageError
-from chatrl.resilience import NonFiniteError, NonFiniteGuard, set_progress
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +204,9 @@ class LoopCheckpoints:
             as per-rank safetensors of its (ZeRO-3: local) parameters.
         extra_state: name → an object with ``state_dict()`` (a collective: every rank calls it; rank 0's
             result is saved as ``NAME.pt``, tensors and plain containers) and ``load_state_dict(state)``
-            (every rank, on resume): the data accounting (:class:`chatrl.certificate.DataAccounting`).
+            (every rank, on resume): the data accounting (:class:`chatrl.evidence.certificate.DataAccounting`).
         spare: ``spare(step) -> bool``: checkpoints of such steps outlive ``--save_total_limit`` (step 3:
-            the one a recorded step starts from, which ``python -m chatrl.replay`` needs).
+            the one a recorded step starts from, which ``python -m chatrl.tools.replay`` needs).
     """
 
     def __init__(self, ckpt: CheckpointConfig, output_dir: str, engines: dict, layout: dict,

@@ -11,9 +11,9 @@ import os
 import re
 from pathlib import Path
 
-from chatrl import model_zoo
 from chatrl.checkpoint import COMPLETE, RUN_MARKER, list_checkpoints
 from chatrl.errors import UsageError
+from chatrl.models import model_zoo
 from chatrl.rewards import kinds
 
 
@@ -100,7 +100,7 @@ def resolve_argv(argv: list[str], parser: argparse.ArgumentParser, cwd: str | os
 
 def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every model flag of ``parser`` (path kind ``model``) in ``args`` through
-    :func:`chatrl.model_zoo.resolve`, in place: a short name becomes its hub name, a packaged model's
+    :func:`chatrl.models.model_zoo.resolve`, in place: a short name becomes its hub name, a packaged model's
     name its converted folder, a ``.gguf`` file the folder converted from it. A value that names an
     existing local folder stays as it is.
 

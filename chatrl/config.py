@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from chatrl import precision
 from chatrl.errors import UsageError
+from chatrl.models import precision
 from chatrl.rl import algorithms
 from chatrl.rl.loss import (
     KL_LOSS_ESTIMATORS,
@@ -155,7 +155,7 @@ class TemplateCheckConfig:
     """The chat-template check at start-up (steps 1 and 3, docs/multi_turn.md)."""
 
     skip_template_check: bool = setting(False, "do not stop when the chat-template check on a few data rows fails at "
-                                               "start-up (python -m chatrl.check_template); the skip is logged")
+                                               "start-up (python -m chatrl.tools.check_template); the skip is logged")
 
 
 @dataclass
@@ -366,7 +366,7 @@ class RewardConfig:
                                   "(exact_match, regex_format); no reward model is loaded when only functions or "
                                   "URLs are given", nargs="+", type=str, path="reward_fn")
     reward_url: list = setting([], "reward servers, each [WEIGHT*]http://host:port/path "
-                                   "(python -m chatrl.reward_server)", nargs="+", type=str)
+                                   "(python -m chatrl.tools.reward_server)", nargs="+", type=str)
     reward_http_timeout: float = setting(60.0, "timeout of one reward request", unit="s")
     reward_http_retries: int = setting(2, "retries of a failed reward request")
     reward_http_batch_size: int = setting(256, "answers per reward request", unit="answers")
@@ -448,7 +448,7 @@ class CertificateConfig:
                                             type=float)
     save_rollouts: int = setting(0, "step 3: write every N-th step's batch (tokens, masks, log-probs, rewards, "
                                     "advantages, ratios, clip flags, weight version) to OUTPUT_DIR/rollouts, for "
-                                    "python -m chatrl.inspector and chatrl.replay (0: off)", unit="steps")
+                                    "python -m chatrl.tools.inspector and chatrl.tools.replay (0: off)", unit="steps")
 
 
 # ------------------------------------------------------------------------------------- generation

@@ -1,5 +1,5 @@
 """A chat conversation on a trained actor, shared by the terminal chat (``chat.py``) and the web chat
-(:mod:`chatrl.web_chat`): the history trimmed to the context window, and the answer cut at the
+(:mod:`chatrl.tools.web_chat`): the history trimmed to the context window, and the answer cut at the
 next ``Human:`` turn for models without a chat template; and a chat with an environment's tools
 (:class:`ToolSession`, ``chat.py --env``), token-in/token-out as step 3's episodes."""
 
@@ -77,7 +77,7 @@ class ToolSession:
 
     Args:
         tokenizer: the model's. make_env: :func:`chatrl.envs.load_environment`'s factory.
-        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.stop_token_ids`, the
+        max_turns: assistant turns per user turn. stop_ids: :func:`chatrl.models.causal_lm.stop_token_ids`, the
             end-of-turn token first (only an answer ending with it is followed by an observation).
     """
 

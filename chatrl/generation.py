@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from chatrl.config import HybridEngineConfig
-from chatrl.dist import DistInfo, all_reduce_sum
+from chatrl.distributed.dist import DistInfo, all_reduce_sum
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import family_of
-from chatrl.models import base_model, stop_token_ids
+from chatrl.models.causal_lm import base_model, stop_token_ids
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +70,9 @@ def inference_engine(model) -> HybridEngine:
 def generate_answers(engine: HybridEngine, prompts: Sequence[Sequence[int]], tokenizer, max_new_tokens: int,
                      sampling: dict, output_logprobs: bool = False):
     """Answers to one batch of prompts: the left-padded batch (:func:`left_pad`) through ``engine``
-    (:func:`inference_engine`), stopping at :func:`chatrl.models.stop_token_ids` (the chat template's
+    (:func:`inference_engine`), stopping at :func:`chatrl.models.causal_lm.stop_token_ids` (the chat template's
     end-of-turn token and the EOS, as ``chat.py`` and step 3), with ``sampling`` from
-    :func:`chatrl.models.sampling_settings` (greedy, or sampled from the global torch RNG).
+    :func:`chatrl.models.causal_lm.sampling_settings` (greedy, or sampled from the global torch RNG).
 
     Args:
         engine: the generating engine. prompts: ``B`` token-id lists (no answer). tokenizer: the
@@ -109,7 +109,7 @@ def answer_tokens(generated: torch.Tensor, stops: Sequence[int]) -> list[tuple[l
 def eos_rate(engine, prompts: Sequence[Sequence[int]], tokenizer, max_new_tokens: int, zero_stage: int,
              info: DistInfo) -> float:
     """Share of greedy answers to ``prompts`` that end their turn within ``max_new_tokens`` (EOS or the
-    chat template's end-of-turn token, :func:`chatrl.models.stop_token_ids`); NaN without prompts.
+    chat template's end-of-turn token, :func:`chatrl.models.causal_lm.stop_token_ids`); NaN without prompts.
 
     Every rank calls it with the same ``prompts`` and answers its share (``prompts[rank::world]``,
     padded with a one-token prompt so that every rank generates as many rows: synced decoding under

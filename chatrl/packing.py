@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from chatrl.errors import UsageError
-from chatrl.precision import FP32_SDPA
+from chatrl.models.precision import FP32_SDPA
 
 #: HF ``model_type`` s whose attention reads packed rows from restarting position ids (tested for parity).
 POSITION_ID_FAMILIES = ("llama", "qwen2")
@@ -180,7 +180,7 @@ def pack(seqs: Sequence, pad_token_id: int, row_tokens: int = 0) -> PackedRows:
         ValueError: no sequences, an empty sequence, or a ``pad_token_id`` of None.
     """
     if pad_token_id is None:
-        raise ValueError("pack: pad_token_id is None (prepare the tokenizer with chatrl.models.prepare_tokenizer)")
+        raise ValueError("pack: pad_token_id is None (prepare the tokenizer with chatrl.models.causal_lm.prepare_tokenizer)")
     ids = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in seqs]
     if not ids:
         raise ValueError("pack: no sequences to pack")

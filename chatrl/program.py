@@ -7,23 +7,23 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from chatrl.certificate import CERTIFICATE_FILE
 from chatrl.checkpoint import CHECKPOINT_DIR, RUN_MARKER, check_output_dir, resume_path
 from chatrl.config import CheckpointConfig, LogConfig
-from chatrl.dist import DistInfo, barrier, init_distributed
-from chatrl.models import check_context_window, check_packing, load_tokenizer
-from chatrl.resilience import set_progress, stop_on_ctrl_c
-from chatrl.rollout_records import ROLLOUTS_DIR
+from chatrl.distributed.dist import DistInfo, barrier, init_distributed
+from chatrl.distributed.resilience import set_progress, stop_on_ctrl_c
+from chatrl.distributed.weights import SNAPSHOT_DIR
+from chatrl.evidence.certificate import CERTIFICATE_FILE
+from chatrl.evidence.rollout_records import ROLLOUTS_DIR
+from chatrl.models.causal_lm import check_context_window, check_packing, load_tokenizer
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, setup_logging
-from chatrl.weights import SNAPSHOT_DIR
 
 
 def start(step_name: str, log: LogConfig, seed: int, ckpt: CheckpointConfig | None = None) -> DistInfo:
     """Start a step program on this rank and return its place in the job.
 
-    Names the step for failure reports (:func:`chatrl.resilience.set_progress`), reports Ctrl-C under
-    a launcher in one line (:func:`chatrl.resilience.stop_on_ctrl_c`), joins the process
-    group (:func:`chatrl.dist.init_distributed`), sets up logging, refuses an output folder that
+    Names the step for failure reports (:func:`chatrl.distributed.resilience.set_progress`), reports Ctrl-C under
+    a launcher in one line (:func:`chatrl.distributed.resilience.stop_on_ctrl_c`), joins the process
+    group (:func:`chatrl.distributed.dist.init_distributed`), sets up logging, refuses an output folder that
     holds a finished run unless ``--overwrite_output_dir`` (:func:`chatrl.checkpoint.check_output_dir`),
     and, given the run's ``ckpt`` block, clears what an earlier run left in the folder when this run
     starts from scratch rather than from a checkpoint (:func:`start_afresh`); then seeds Python,

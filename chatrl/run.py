@@ -18,7 +18,7 @@ maths stays written out in the program's loop, top to bottom::
 
 The run owns, in this order, after each step's body: the progress (bar, failure reports), the
 non-finite guard (``--max_nonfinite_steps``: :class:`chatrl.checkpoint.LoopCheckpoints`), the
-step's figures, the observer's ``after_step`` (the certificate: :class:`chatrl.certificate.RunObserver`),
+step's figures, the observer's ``after_step`` (the certificate: :class:`chatrl.evidence.certificate.RunObserver`),
 logging every ``--log_interval`` steps, evaluation every ``--eval_interval`` steps, at each epoch's
 end and at the last step, checkpoints (``--save_interval``, and those the observer needs), HF
 snapshots (``--save_hf_interval``) and ``--stop_after_steps``; at :meth:`Run.finish`, the
@@ -36,14 +36,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from chatrl import dist
-from chatrl.certificate import SupervisedEvidence
 from chatrl.checkpoint import LoopCheckpoints, batches_from, resume_path, write_run_marker
 from chatrl.data.collate import MicroBatches
-from chatrl.resilience import set_progress
+from chatrl.distributed import dist
+from chatrl.distributed.resilience import set_progress
+from chatrl.distributed.weights import save_hf_model, save_snapshot_if_due
+from chatrl.evidence.certificate import SupervisedEvidence
 from chatrl.sizes import BatchSizes, StepPlan, plan_steps
 from chatrl.tracking import Tracker
-from chatrl.weights import save_hf_model, save_snapshot_if_due
 
 #: Sequences (or pairs) per part of the loss-scale probe's reference (``Step.probe``): the programs sum its
 #: one-micro-batch loss part by part, each part's gradient taken before the next (the same gradient up to
@@ -144,7 +144,7 @@ class Step:
 
     def probe(self, items, reference_loss: Callable) -> None:
         """The loss-scale probe's inputs: this rank's ``items`` of the step's global batch and
-        ``reference_loss(model, items_of_every_rank)`` (:meth:`chatrl.certificate.LossScaleProbe.check`)."""
+        ``reference_loss(model, items_of_every_rank)`` (:meth:`chatrl.evidence.certificate.LossScaleProbe.check`)."""
         self.probe_input = (items, reference_loss)
 
     def grad_norm(self, engine: str = "model") -> float | None:
@@ -164,10 +164,10 @@ class Run:
     Args:
         settings: the program's settings, with ``log`` (:class:`chatrl.config.LogConfig`), ``ckpt``
             (:class:`chatrl.config.CheckpointConfig`) and optionally ``snapshots``.
-        info: this rank (:class:`chatrl.dist.DistInfo`).
+        info: this rank (:class:`chatrl.distributed.dist.DistInfo`).
         schedule: :class:`Schedule`. loader: the training loader (``dist.seeded_loader``).
         saved: :class:`Saved`, what checkpoints hold.
-        observer: the certificate (:class:`chatrl.certificate.RunObserver`).
+        observer: the certificate (:class:`chatrl.evidence.certificate.RunObserver`).
         opening: the line that describes the run, written first (then the schedule's notes).
         evaluation: :class:`Evaluation`, or None (no eval split).
         state: ``state() -> dict``, the program's own part of a checkpoint (JSON; step 3's KL
@@ -322,7 +322,7 @@ class Run:
 @dataclass
 class SupervisedData:
     """The training data of step 1, step 2 or DPO as their loop draws it: ``loader`` (each rank's
-    share, seeded: :func:`chatrl.dist.seeded_loader`, collated to lists), ``micro_batches``
+    share, seeded: :func:`chatrl.distributed.dist.seeded_loader`, collated to lists), ``micro_batches``
     (:class:`chatrl.data.collate.MicroBatches`: an optimizer step's samples cut by count or token
     budget), ``batch`` (:class:`chatrl.sizes.BatchSizes`) and ``plan`` (:func:`chatrl.sizes.plan_steps`)."""
 
@@ -361,7 +361,7 @@ class SupervisedData:
 
     def engine(self, name: str, s, model, report) -> tuple[object, SupervisedEvidence]:
         """The certificate's evidence (its loss-scale probe copies ``model`` first) and the DeepSpeed
-        engine that trains ``model`` (:func:`chatrl.dist.trained_engine`); ``name`` names the program
+        engine that trains ``model`` (:func:`chatrl.distributed.dist.trained_engine`); ``name`` names the program
         in the certificate, ``report`` is the data's :class:`chatrl.data.SkipReport`."""
         out, plan = s.log.output_dir, self.plan
         gas = self.batch.gradient_accumulation_steps

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl.alerts import ALERT_PREFIX, AlertMonitor, format_alert
 from chatrl.config import LogConfig
+from chatrl.evidence.alerts import ALERT_PREFIX, AlertMonitor, format_alert
 
 METRICS_FILE = Path("logs") / "metrics.jsonl"
 SAMPLES_FILE = Path("logs") / "samples.jsonl"
@@ -160,7 +160,7 @@ class Trend:
 class Tracker:
     """Writes metrics of one run, and checks them against the run-health alerts.
 
-    Every logged row goes through :class:`chatrl.alerts.AlertMonitor`; an alert that fires is
+    Every logged row goes through :class:`chatrl.evidence.alerts.AlertMonitor`; an alert that fires is
     printed once (rank 0) and logged as ``alert/<rule>`` (its figure) in the same row.
 
     Args:

@@ -56,7 +56,7 @@ def row_scores(model_dir: str, rows: list[dict], max_new_tokens: int = 6, batch_
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.formatting import encode_prompt
-    from chatrl.models import fit_embeddings, load_tokenizer, stop_token_ids, torch_dtype
+    from chatrl.models.causal_lm import fit_embeddings, load_tokenizer, stop_token_ids, torch_dtype
     from chatrl.rewards.builtin import exact_match
 
     tok = load_tokenizer(model_dir, padding_side="left")
@@ -86,7 +86,7 @@ def evaluate_episodes(model_dir: str, rows: list[dict], env: str = "calculator",
 
     from chatrl.envs import load_environment
     from chatrl.envs.rollout import run_episodes
-    from chatrl.models import fit_embeddings, load_tokenizer, stop_token_ids
+    from chatrl.models.causal_lm import fit_embeddings, load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

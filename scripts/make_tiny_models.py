@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from chatrl.tiny import FAMILIES, TinySpec, make_tiny_model  # noqa: E402
+from chatrl.models.tiny import FAMILIES, TinySpec, make_tiny_model  # noqa: E402
 
 
 def main() -> None:

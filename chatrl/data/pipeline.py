@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import dist
 from chatrl.config import DataConfig
 from chatrl.data.cache import Columns, cache_key, load_or_build, to_hf_dataset, tokenizer_fingerprint
 from chatrl.data.examples import PHASE_COLUMNS, tokenize_samples
@@ -24,6 +23,7 @@ from chatrl.data.report import SkipReport
 from chatrl.data.schema import KIND_PAIRS, KIND_PROMPTS, KIND_SFT
 from chatrl.data.sources import Source, fingerprint_entry, read_source
 from chatrl.data.split import parse_data_split, phase_rows
+from chatrl.distributed import dist
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
         phase: 1 (SFT), 2 (reward model) or 3 (PPO).
         data_paths: entries (see :mod:`chatrl.data.sources`); all are blended, train rows in
             entry order (shuffling is the sampler's job).
-        tokenizer: a tokenizer prepared by :func:`chatrl.models.prepare_tokenizer`.
+        tokenizer: a tokenizer prepared by :func:`chatrl.models.causal_lm.prepare_tokenizer`.
         data_split: ``--data_split`` phase weights for pair sources.
         max_seq_len: longest prompt + answer (phases 1–2); prompts are cut from the left to fit.
         max_prompt_len: longest prompt in phase 3 (cut from the left, counted as ``truncated``).

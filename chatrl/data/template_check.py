@@ -11,7 +11,7 @@ ids shown:
   turns, such as one that drops earlier ``<think>`` blocks, or whose generation prompt differs
   from how it writes an assistant turn, trains contexts that generation never shows);
 - ``end_of_turn``: every assistant turn ends with the trained end-of-turn token
-  (:func:`chatrl.models.end_of_turn_token_id`), the template writes it, and it is in the loss;
+  (:func:`chatrl.models.causal_lm.end_of_turn_token_id`), the template writes it, and it is in the loss;
   no stop token appears earlier inside a trained turn;
 - ``loss_mask``: only assistant turns are trained: the generation prompt, the template's
   boilerplate and the user, tool and system turns are not, the mask is not all ones, and each
@@ -23,7 +23,7 @@ ids shown:
   environment's observation ids (:func:`chatrl.data.turns.observation_ids`) gives exactly the
   ids and mask that step 1 trains (:func:`chatrl.data.turns.encode_conversation`).
 
-``python -m chatrl.check_template MODEL_OR_TOKENIZER`` prints the findings table; steps 1 and 3
+``python -m chatrl.tools.check_template MODEL_OR_TOKENIZER`` prints the findings table; steps 1 and 3
 run :func:`check_startup` on a few rows of their data and stop on a failure
 (``--skip_template_check``). ``docs/multi_turn.md`` describes each check and its fixtures.
 """
@@ -44,7 +44,7 @@ from chatrl.data.turns import (
     render_conversation,
 )
 from chatrl.errors import UsageError
-from chatrl.models import end_of_turn_token_id, special_token_texts, stop_token_ids
+from chatrl.models.causal_lm import end_of_turn_token_id, special_token_texts, stop_token_ids
 
 CHECKS = ("renders", "prefix", "end_of_turn", "loss_mask", "template_mask", "token_in_token_out")
 PASS, FAIL, NA = "pass", "FAIL", "n/a"

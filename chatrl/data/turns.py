@@ -20,7 +20,7 @@ ends with the EOS token. (A single-turn prompt of an hh-rlhf transcript keeps th
 whose earlier answers carry no EOS: ``docs/tokenization.md``.)
 
 Whether these ids equal what the template gives when it renders the whole conversation at once
-(prefix preservation) is what ``python -m chatrl.check_template`` checks
+(prefix preservation) is what ``python -m chatrl.tools.check_template`` checks
 (:mod:`chatrl.data.template_check`).
 """
 
@@ -39,7 +39,7 @@ from chatrl.data.formatting import (
     uses_chat_template,
 )
 from chatrl.data.schema import ASSISTANT
-from chatrl.models import end_of_turn_token_id, special_token_texts
+from chatrl.models.causal_lm import end_of_turn_token_id, special_token_texts
 
 #: A stand-in history for templates that re-render earlier turns (see :func:`observation_ids`).
 _BASE_HISTORY = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
@@ -69,7 +69,7 @@ class ConversationIds:
 
 
 def end_of_turn_text(tokenizer) -> str:
-    """The text of the end-of-turn token (:func:`chatrl.models.end_of_turn_token_id`)."""
+    """The text of the end-of-turn token (:func:`chatrl.models.causal_lm.end_of_turn_token_id`)."""
     return tokenizer.convert_ids_to_tokens(end_of_turn_token_id(tokenizer))
 
 

@@ -156,7 +156,7 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
         rows: ``{"messages", "metadata", "seed"}`` per episode (:mod:`chatrl.envs.base`).
         max_turns: assistant turns per episode (>= 1). max_prompt_len: the opening turns' ids are
             cut from the left to this. max_total_tokens: bound on an episode's ids.
-        stop_ids: ids that end a turn (:func:`chatrl.models.stop_token_ids`), the end-of-turn token
+        stop_ids: ids that end a turn (:func:`chatrl.models.causal_lm.stop_token_ids`), the end-of-turn token
             first: only a turn that ends with it is followed by an observation.
         all_reduce_sum: sums a tensor over ranks (``None``: one rank). rank, step: for messages.
 

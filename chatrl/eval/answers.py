@@ -1,6 +1,6 @@
 """Each model's answers to the evaluation prompts, greedy and sampled over seeds, through chatrl's
 generation (:func:`chatrl.generation.generate_answers` on :func:`chatrl.generation.inference_engine`:
-step 3's decoder, left padding, the stop ids of :func:`chatrl.models.stop_token_ids` as in ``chat.py``),
+step 3's decoder, left padding, the stop ids of :func:`chatrl.models.causal_lm.stop_token_ids` as in ``chat.py``),
 and the KL of each answer to a reference model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from chatrl.data.examples import left_cut
 from chatrl.data.formatting import encode_prompts
 from chatrl.generation import answer_tokens, generate_answers, inference_engine, left_pad
 from chatrl.logprobs import token_logprobs
-from chatrl.models import causal_lm_logits, load_causal_lm, stop_token_ids
+from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, stop_token_ids
 
 GREEDY = "greedy"
 
@@ -118,7 +118,7 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     Args:
         model: an HF causal LM in eval mode. tokenizer: its tokenizer (pad and stop ids).
         prompt_ids: ``N`` prompts' ids (:func:`encode_eval_prompts`). sampling: the sampled decoding's
-            ``generate`` arguments (:func:`chatrl.models.sampling_settings`).
+            ``generate`` arguments (:func:`chatrl.models.causal_lm.sampling_settings`).
         progress: called with the number of prompts answered after each batch.
 
     Returns:

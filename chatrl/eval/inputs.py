@@ -11,9 +11,9 @@ from pathlib import Path
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.data.sources import read_source
 from chatrl.data.split import parse_data_split, phase_rows
+from chatrl.distributed.weights import list_snapshots
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer
-from chatrl.weights import list_snapshots
+from chatrl.models.causal_lm import load_tokenizer
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from chatrl.data.formatting import format_prompt
 from chatrl.data.schema import Sample
 from chatrl.errors import UsageError
 from chatrl.eval.stats import outcome
-from chatrl.reward_model import MissingRewardHeadError, encode_rows, score_sequences
+from chatrl.models.reward_model import MissingRewardHeadError, encode_rows, score_sequences
 from chatrl.rewards import kinds
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores
 from chatrl.rewards.function import BUILTIN_REWARD_FNS, load_reward_fn
@@ -62,13 +62,13 @@ class PairwiseJudge(Protocol):
 def transcript(messages: Sequence[dict]) -> str:
     """A conversation as text for judges that read plain text: the Human/Assistant convention
     (``"\\n\\nHuman: … \\n\\nAssistant:"``, :func:`chatrl.data.formatting.format_prompt` without a template),
-    which :func:`chatrl.reward_model.prompt_messages` splits back into its turns."""
+    which :func:`chatrl.models.reward_model.prompt_messages` splits back into its turns."""
     return format_prompt(None, messages)
 
 
 class RewardModelJudge:
     """A reward model as a pointwise judge: the end score of prompt + answer, re-encoded with the judge's
-    tokenizer exactly as in step 2's training (:func:`chatrl.reward_model.encode_rows`: the prompt
+    tokenizer exactly as in step 2's training (:func:`chatrl.models.reward_model.encode_rows`: the prompt
     in the judge's format, cut from the left to fit ``max_seq_len``; the answer with its end-of-turn token).
 
     Args:

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from chatrl import cli, config
-from chatrl.dist import place_threads_for_load
+from chatrl.distributed.dist import place_threads_for_load
+from chatrl.distributed.resilience import report_failure
 from chatrl.errors import UsageError
 from chatrl.eval import ANSWERS_FILE, EVAL_FILE
 from chatrl.eval.answers import Reference, answer_prompts, decodings, encode_eval_prompts
@@ -53,9 +54,8 @@ from chatrl.eval.summary import (
     pair_outcomes,
     series_of,
 )
-from chatrl.models import context_window, load_causal_lm, sampling_settings
-from chatrl.resilience import report_failure
-from chatrl.reward_model import has_reward_head
+from chatrl.models.causal_lm import context_window, load_causal_lm, sampling_settings
+from chatrl.models.reward_model import has_reward_head
 
 
 def build_parser():

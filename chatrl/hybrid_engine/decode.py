@@ -11,7 +11,7 @@ argmax, sampling draws with ``torch.multinomial``) and adds what the layout need
   nothing crosses groups, so groups stop independently and a rank never waits for another group;
 * keys and values are written into buffers preallocated for ``prompt + max_new_tokens`` positions
   (transformers' ``DynamicCache`` concatenates, copying the whole cache every step); where the model
-  attends in float32 on bf16 or fp16 weights (:data:`chatrl.precision.FP32_SDPA`), the buffers are
+  attends in float32 on bf16 or fp16 weights (:data:`chatrl.models.precision.FP32_SDPA`), the buffers are
   float32, so that attention reads the cache as it is instead of converting all of it in every layer
   at every step (the same values: the conversion is exact);
 * on CPU, bf16 linear layers decode with their weights reordered once per :func:`decode` call into
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatrl.logprobs import logprobs_from_logits, sampling_filter
-from chatrl.precision import FP32_SDPA, computes_in_fp32
+from chatrl.models.precision import FP32_SDPA, computes_in_fp32
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class PreallocatedLayer(DynamicLayer):
 def make_cache(config, capacity: int) -> Cache:
     """A KV cache for ``capacity`` positions; HF's ``DynamicCache`` when a sliding window would bite.
 
-    A model that attends with :data:`chatrl.precision.FP32_SDPA` (bf16 or fp16 weights on CPU) gets
+    A model that attends with :data:`chatrl.models.precision.FP32_SDPA` (bf16 or fp16 weights on CPU) gets
     float32 buffers: its attention computes on float32 copies of the keys and values, so storing them
     converted once (exactly) saves converting the whole cache in every layer at every step.
     """
@@ -276,7 +276,7 @@ class PrepackedLinears(contextlib.AbstractContextManager):
 
 def head_weight(head: torch.nn.Module) -> torch.Tensor:
     """The matrix the LM head multiplies by while decoding: its weight, or a float32 copy of it when
-    the head computes in float32 (``--fp32_lm_head``, :func:`chatrl.precision.compute_in_fp32`),
+    the head computes in float32 (``--fp32_lm_head``, :func:`chatrl.models.precision.compute_in_fp32`),
     made once per :func:`decode` call rather than once per token."""
     return head.weight.float() if computes_in_fp32(head) else head.weight
 

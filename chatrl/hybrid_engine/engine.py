@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from chatrl.config import HybridEngineConfig
-from chatrl.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
+from chatrl.distributed.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
+from chatrl.evidence.weight_version import WeightFingerprint, WeightStamp
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
 from chatrl.logprobs import logprobs_from_logits
-from chatrl.models import base_model, sampling_settings
-from chatrl.weight_version import WeightFingerprint, WeightStamp
+from chatrl.models.causal_lm import base_model, sampling_settings
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class HybridEngine:
             node has a CPU per thread of every rank).
 
     Every :meth:`generate` stamps the weights it generated with (:meth:`sampler_stamp`: their
-    version and checksum, read from the model that decoded, :mod:`chatrl.weight_version`);
+    version and checksum, read from the model that decoded, :mod:`chatrl.evidence.weight_version`);
     :meth:`training_stamp` reads the same of the training weights.
 
     Attributes:
@@ -297,7 +297,7 @@ class HybridEngine:
             max_new_tokens: tokens to generate (equal on every rank of a tensor-parallel group).
             do_sample, temperature, top_k, top_p, min_new_tokens: as in HF ``generate``
                 (``top_k=0``/``top_p=1`` disable the filters); ``temperature=0`` is greedy decoding
-                (:func:`chatrl.models.sampling_settings`).
+                (:func:`chatrl.models.causal_lm.sampling_settings`).
             eos_token_id: an id or a list of ids ending an answer; ``None`` takes the model's.
             pad_token_id: filler after EOS; ``None`` takes the model's.
             generator: RNG for sampling on the engine path (the global RNG when ``None``).

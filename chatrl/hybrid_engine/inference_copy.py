@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from chatrl.distributed.weights import gathered
 from chatrl.hybrid_engine.tp_plan import (
     SUPPORTED_FAMILIES,
     decoder_layers,
@@ -30,9 +31,8 @@ from chatrl.hybrid_engine.tp_plan import (
     shard_head_counts,
     tp_plan,
 )
-from chatrl.models import base_model
-from chatrl.precision import compute_in_fp32, computes_in_fp32
-from chatrl.weights import gathered
+from chatrl.models.causal_lm import base_model
+from chatrl.models.precision import compute_in_fp32, computes_in_fp32
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 - :class:`~chatrl.rewards.function.FunctionReward`: a Python function ``module:function`` of the
   prompts, decoded answers and per-row metadata; built-ins in :mod:`chatrl.rewards.builtin`
   (exact-match maths answer, regular-expression format check);
-- :class:`~chatrl.rewards.http.HttpReward`: a reward server over HTTP (``python -m chatrl.reward_server``);
+- :class:`~chatrl.rewards.remote.HttpReward`: a reward server over HTTP (``python -m chatrl.tools.reward_server``);
 - :class:`~chatrl.rewards.base.EpisodeReward`: an environment's reward of multi-turn episodes (``--env``).
 
 Each kind of source is a class registered in :mod:`chatrl.rewards.kinds`, which the flags, step 3,
@@ -28,8 +28,8 @@ from chatrl.rewards.base import (
     split_weight,
 )
 from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, load_reward_fn
-from chatrl.rewards.http import HttpReward, decode_request, decode_response, encode_request
 from chatrl.rewards.kinds import RewardContext, RewardKind, check_reward_metadata
+from chatrl.rewards.remote import HttpReward, decode_request, decode_response, encode_request
 
 __all__ = [
     "BUILTIN_REWARD_FNS",

@@ -11,7 +11,7 @@ asked before the built-in ones. The kinds registered here:
   refuses a malformed one with the message that names the forms;
 * ``builtin``: a built-in function's short name (:data:`~chatrl.rewards.function.BUILTIN_REWARD_FNS`),
   with the prompt-row field it cannot score without (``exact_match``: ``reference``);
-* ``http``: a reward server, ``--reward_url http(s)://...`` (:class:`~chatrl.rewards.http.HttpReward`);
+* ``http``: a reward server, ``--reward_url http(s)://...`` (:class:`~chatrl.rewards.remote.HttpReward`);
 * ``model``: a reward model's folder (``--reward_model_name_or_path``; step 3 scores the actor's token
   ids with its engine, a judge or the reward server re-encodes texts,
   :class:`~chatrl.rewards.model.TextRewardModel`).
@@ -48,8 +48,8 @@ from chatrl.config import RewardConfig
 from chatrl.errors import UsageError
 from chatrl.rewards.base import ModelReward, RewardSource, split_weight
 from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, load_reward_fn
-from chatrl.rewards.http import HttpReward
 from chatrl.rewards.model import TextRewardModel
+from chatrl.rewards.remote import HttpReward
 
 ScoreTokens = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``score(sequences (B, T), attention_mask (B, T), prompt_len) -> (B,)``: step 3's reward engine."""
@@ -145,8 +145,8 @@ class BuiltinKind(FunctionKind):
 
 
 class HttpKind(RewardKind):
-    """A reward server (``python -m chatrl.reward_server``, or any server of the protocol of
-    :mod:`chatrl.rewards.http`), asked with the ``--reward_http_*`` settings."""
+    """A reward server (``python -m chatrl.tools.reward_server``, or any server of the protocol of
+    :mod:`chatrl.rewards.remote`), asked with the ``--reward_http_*`` settings."""
 
     name, flag, summary = "http", "--reward_url", "a reward server over HTTP"
 

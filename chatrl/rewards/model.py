@@ -9,7 +9,7 @@ order of preference, so that the served score equals the in-process one:
 2. ``formatted_texts``: the conversation as the actor saw it, chat markers and special tokens
    kept, tokenized without adding any;
 3. (a client that sends neither) ``prompts`` and ``answers`` formatted and tokenized as
-   ``python -m chatrl.step2_reward.score`` does (:func:`chatrl.reward_model.encode_rows`); the
+   ``python -m chatrl.step2_reward.score`` does (:func:`chatrl.models.reward_model.encode_rows`); the
    prompt's special tokens were removed, so a chat-template prompt is formatted anew.
 """
 
@@ -20,9 +20,9 @@ import logging
 import torch
 
 from chatrl.data.schema import Sample
-from chatrl.models import load_tokenizer
-from chatrl.precision import resolve_dtype
-from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
+from chatrl.models.causal_lm import load_tokenizer
+from chatrl.models.precision import resolve_dtype
+from chatrl.models.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores, decode_exactly
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class TextRewardModel:
         model_dir: step 2's ``--output_dir``.
         max_seq_len: prompt + answer tokens; longer prompts lose their oldest tokens.
         batch_size: sequences per forward pass.
-        dtype: ``fp32``, ``bf16``, ``fp16`` or ``auto`` (:func:`chatrl.precision.resolve_dtype` for the
+        dtype: ``fp32``, ``bf16``, ``fp16`` or ``auto`` (:func:`chatrl.models.precision.resolve_dtype` for the
             device; the scores are float32 in every dtype). device: torch device (default cuda if available).
 
     Raises:

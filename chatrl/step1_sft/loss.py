@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from chatrl.logprobs import IGNORE_INDEX, token_logprobs
-from chatrl.models import causal_lm_logits, labelled_token_logits
+from chatrl.models.causal_lm import causal_lm_logits, labelled_token_logits
 from chatrl.packing import PackedRows
 
 
@@ -41,7 +41,7 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 def sft_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             labels: torch.Tensor, packed: PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_nll` of ``model`` on a batch, with the LM head run on the labelled positions only
-    (:func:`chatrl.models.labelled_token_logits`); for bf16 (or fp16) logits the log-probs are taken a
+    (:func:`chatrl.models.causal_lm.labelled_token_logits`); for bf16 (or fp16) logits the log-probs are taken a
     few positions at a time (:func:`chatrl.logprobs.token_logprobs`: no ``(N, V)`` float32 copy, which for
     a 49K vocabulary would be the step's largest tensor), for fp32 logits by ``cross_entropy`` as
     before (the same bits as earlier runs); the same sum up to float32 rounding.

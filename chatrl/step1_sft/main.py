@@ -23,16 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.config import setting, uses
 from chatrl.data import SFTCollator, phase_data
 from chatrl.data.collate import PackedSFTCollator
 from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
+from chatrl.distributed import dist
 from chatrl.generation import eos_rate
+from chatrl.models.trainable import load_trainable
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.step1_sft.loss import full_nll, labelled_tokens, only_rows, sft_nll
-from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step1")
 
@@ -97,7 +98,7 @@ def eval_prompts(dataset, n: int) -> list:
 
 def one_batch_loss(dataset, collate):
     """The loss of a global batch as one micro-batch on one rank, by its definition (the loss-scale
-    probe's reference, :class:`chatrl.certificate.LossScaleProbe`): every rank's ``sample_index``
+    probe's reference, :class:`chatrl.evidence.certificate.LossScaleProbe`): every rank's ``sample_index``
     collated together, the mean next-token NLL over all labelled tokens, all logits computed. Yields it
     in parts of :data:`chatrl.run.PROBE_CHUNK` sequences, each the part's summed NLL over the
     whole batch's labelled-token count (their sum is that mean)."""

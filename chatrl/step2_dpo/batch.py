@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from chatrl.data.collate import PackedPairCollator, PairCollator, pad_sequences, to_device
 from chatrl.logprobs import token_logprobs
-from chatrl.models import token_logits_at
+from chatrl.models.causal_lm import token_logits_at
 
 
 class IndexedPairs(torch.utils.data.Dataset):
@@ -81,7 +81,7 @@ def batch_answer_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.
     under ``model`` (padded or packed: the same numbers) and its token count; differentiable.
 
     The LM head runs on the ``M`` positions that predict an answer token only
-    (:func:`chatrl.models.token_logits_at`): a pair's prompt, most of its tokens on chat data, needs
+    (:func:`chatrl.models.causal_lm.token_logits_at`): a pair's prompt, most of its tokens on chat data, needs
     no vocabulary projection, so the step's largest matmul shrinks with it; the log-probs are taken a
     few positions at a time (:func:`chatrl.logprobs.token_logprobs`) for bf16 logits, never as an ``(M, V)``
     float32 copy. The numbers are :func:`chatrl.step2_dpo.loss.answer_logps` over full logits,

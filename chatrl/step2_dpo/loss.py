@@ -62,7 +62,7 @@ def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: tor
     Returns:
         ``(logps (N,), n_tokens (N,))``: float32 sums of ``log p(token | tokens before it)`` (nats),
         and long counts. A row's value depends only on its own real tokens when the logits come
-        from :func:`chatrl.models.causal_lm_logits` (positions from the mask), whatever the padding.
+        from :func:`chatrl.models.causal_lm.causal_lm_logits` (positions from the mask), whatever the padding.
 
     Raises:
         ValueError: shapes disagree.

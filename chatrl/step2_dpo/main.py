@@ -40,10 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.config import setting, uses
 from chatrl.data import phase_data
+from chatrl.distributed import dist
 from chatrl.generation import eos_rate
+from chatrl.models.trainable import load_trainable
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
 from chatrl.step2_dpo.batch import (
     DPOCollator,
@@ -54,7 +56,6 @@ from chatrl.step2_dpo.batch import (
 )
 from chatrl.step2_dpo.loss import DPOConfig, preference_loss, reward_stats
 from chatrl.step2_dpo.reference import build_reference, reference_kind
-from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step2_dpo")
 

@@ -26,8 +26,8 @@ import logging
 import torch
 
 from chatrl.config import LoraConfig, ZeroConfig
-from chatrl.dist import all_reduce_sum, eval_batches, frozen_engine
-from chatrl.models import lora_enabled
+from chatrl.distributed.dist import all_reduce_sum, eval_batches, frozen_engine
+from chatrl.models.causal_lm import lora_enabled
 from chatrl.sizes import BatchSizes
 from chatrl.step2_dpo.batch import batch_answer_logps, split_pairs
 from chatrl.step2_dpo.loss import DPOConfig

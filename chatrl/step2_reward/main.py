@@ -4,7 +4,7 @@ Read top to bottom: flags, set-up (distributed, data, model, DeepSpeed engine), 
 training, the training loop with evaluation every ``--eval_interval`` steps and at each epoch end,
 then the HF-format save.
 
-Model: :class:`chatrl.reward_model.RewardModel`, a causal-LM backbone with a bias-free
+Model: :class:`chatrl.models.reward_model.RewardModel`, a causal-LM backbone with a bias-free
 scalar head; a sequence's score is the head's value at its last real token (from the mask).
 Loss: ``mean(-log σ(r_chosen - r_rejected [- margin]))`` over the pairs of an optimizer step, all
 ranks (InstructGPT eq. 1; the margin of Llama 2 eq. 2 when the data carries one): each micro-batch's
@@ -38,13 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.config import setting, uses
 from chatrl.data import PairCollator, phase_data
 from chatrl.data.collate import PackedPairCollator
-from chatrl.reward_model import pair_stats, pairwise_losses, save_reward_model
+from chatrl.distributed import dist
+from chatrl.models.reward_model import pair_stats, pairwise_losses, save_reward_model
+from chatrl.models.trainable import load_trainable
 from chatrl.run import Evaluation, Run, Saved, SupervisedData, sequence_chunks
-from chatrl.trainable import load_trainable
 
 log = logging.getLogger("chatrl.step2")
 

@@ -42,9 +42,9 @@ from chatrl.config import REQUIRED, setting
 from chatrl.data.schema import Sample, is_identical_pair
 from chatrl.data.sources import read_source
 from chatrl.errors import UsageError
-from chatrl.models import check_context_window, load_tokenizer
-from chatrl.precision import resolve_dtype
-from chatrl.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
+from chatrl.models.causal_lm import check_context_window, load_tokenizer
+from chatrl.models.precision import resolve_dtype
+from chatrl.models.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
 
 
 @dataclass

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chatrl import dist
-from chatrl.certificate import LossScaleProbe
-from chatrl.models import load_causal_lm
-from chatrl.reward_model import load_reward_model
+from chatrl.distributed import dist
+from chatrl.evidence.certificate import LossScaleProbe
+from chatrl.models.causal_lm import load_causal_lm
+from chatrl.models.reward_model import load_reward_model
+from chatrl.models.trainable import load_trainable
 from chatrl.sizes import BatchSizes, PPOPlan
 from chatrl.step3_ppo.settings import Step3Settings
-from chatrl.trainable import load_trainable
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class RLHFEngines:
     """The engines of a step-3 run; ``critic``, ``reward`` and ``ema`` are ``None`` when not built.
     ``probes``: the loss-scale probes of the trained models (``actor``, ``critic``), made before
-    DeepSpeed wrapped them (:class:`chatrl.certificate.LossScaleProbe`)."""
+    DeepSpeed wrapped them (:class:`chatrl.evidence.certificate.LossScaleProbe`)."""
 
     actor: object
     reference: object

@@ -3,22 +3,22 @@
 :class:`Step3Evidence` observes the run (:class:`chatrl.run.Run`: before and after each
 step, at the start and the end) and keeps, across the run and its resumes:
 
-* the largest sampler/trainer log-prob gap (property 1, :func:`chatrl.certificate.agreement_property`);
-* the trainer's weight-version check (property 2, :class:`chatrl.weight_version.WeightVersionCheck`);
-* the prompts fed to each step (property 3, :class:`chatrl.certificate.DataAccounting`);
+* the largest sampler/trainer log-prob gap (property 1, :func:`chatrl.evidence.certificate.agreement_property`);
+* the trainer's weight-version check (property 2, :class:`chatrl.evidence.weight_version.WeightVersionCheck`);
+* the prompts fed to each step (property 3, :class:`chatrl.evidence.certificate.DataAccounting`);
 * the loss-scale probes of the actor and the critic at the first step (property 4): the rows of the
   first actor optimizer step, on every rank, against the same rows as one micro-batch on one rank
   (:meth:`chatrl.step3_ppo.trainer.Trainer.one_batch_actor_loss`, ``one_batch_critic_loss``);
-* every ``--save_rollouts``-th step's record (:mod:`chatrl.rollout_records`), with a checkpoint
-  of the step before it, from which ``python -m chatrl.replay`` trains on the record again.
+* every ``--save_rollouts``-th step's record (:mod:`chatrl.evidence.rollout_records`), with a checkpoint
+  of the step before it, from which ``python -m chatrl.tools.replay`` trains on the record again.
 """
 
 from __future__ import annotations
 
 import math
 
-from chatrl import dist
-from chatrl.certificate import (
+from chatrl.distributed import dist
+from chatrl.evidence.certificate import (
     Certificate,
     DataAccounting,
     RunObserver,
@@ -27,7 +27,7 @@ from chatrl.certificate import (
     pipeline_skips,
     weight_version_property,
 )
-from chatrl.rollout_records import write_step
+from chatrl.evidence.rollout_records import write_step
 
 
 class Step3Evidence(RunObserver):

@@ -20,14 +20,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from chatrl import cli, config, dist, program
+from chatrl import cli, config, program
 from chatrl.checkpoint import Cycle, resume_path
 from chatrl.data import PromptCollator, SFTCollator, phase_data
 from chatrl.data.template_check import DEFAULT_CONVERSATIONS, check_startup, startup_conversations
+from chatrl.distributed import dist
+from chatrl.distributed.resilience import nonfinite_scores
+from chatrl.distributed.weights import save_hf_model
 from chatrl.envs import load_environment
+from chatrl.evidence.weight_version import WeightVersionError
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import check_inference_tp
-from chatrl.models import (
+from chatrl.models.causal_lm import (
     check_context_window,
     check_packing,
     load_tokenizer,
@@ -35,9 +39,8 @@ from chatrl.models import (
     stop_token_ids,
     torch_dtype,
 )
+from chatrl.models.reward_model import save_reward_model
 from chatrl.packing import pack
-from chatrl.resilience import nonfinite_scores
-from chatrl.reward_model import save_reward_model
 from chatrl.rewards import ModelReward, RewardContext, WeightedReward, build_reward, check_reward_metadata
 from chatrl.rl import core
 from chatrl.rl.loss import check_rollout_is
@@ -49,8 +52,6 @@ from chatrl.step3_ppo.evidence import Step3Evidence
 from chatrl.step3_ppo.settings import Step3Settings
 from chatrl.step3_ppo.trainer import Trainer, summarize
 from chatrl.tracking import Tracker, Trend
-from chatrl.weight_version import WeightVersionError
-from chatrl.weights import save_hf_model
 
 log = logging.getLogger("chatrl.step3")
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
 def run(argv: list[str] | None = None) -> dict:
     """Run step 3 and return ``{"metrics", "run"}``: the last logged metrics and the
     :class:`Step3Run`, whose engines the caller keeps until the process group is shut down
-    (:func:`chatrl.dist.run_program`)."""
+    (:func:`chatrl.distributed.dist.run_program`)."""
     step3 = build(cli.parse(build_parser(), argv))
     return {"metrics": train(step3), "run": step3}
 
@@ -295,7 +296,7 @@ def train(run: Step3Run) -> dict:
     checkpoint; at the end the certificate and the HF folders. Returns the last logged metrics.
 
     Raises:
-        chatrl.weight_version.WeightVersionError: rollouts of other weights than the trainer's (every
+        chatrl.evidence.weight_version.WeightVersionError: rollouts of other weights than the trainer's (every
             rank; ``certificate.json`` is written first).
     """
     try:

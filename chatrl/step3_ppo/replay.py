@@ -1,10 +1,10 @@
-"""Step 3's side of ``python -m chatrl.replay`` (:mod:`chatrl.replay`, which documents the command and
+"""Step 3's side of ``python -m chatrl.tools.replay`` (:mod:`chatrl.tools.replay`, which documents the command and
 starts this program on each rank of the record): builds the run again from its recorded flags, loads
 the checkpoint of step ``N - 1`` (the weights, optimizer states and KL coefficient the step started
 from; step 1 starts from the models as loaded), feeds each rank its recorded rollouts (tokens, sampler
 log-probs, scores and reward parts) through the trainer's experience and learning passes
 (:func:`chatrl.step3_ppo.main.learn_from`) and compares what they compute with the record
-(:func:`chatrl.rollout_records.compare_rank`, :func:`chatrl.rollout_records.compare_figures`). The
+(:func:`chatrl.evidence.rollout_records.compare_rank`, :func:`chatrl.evidence.rollout_records.compare_figures`). The
 replay writes its own logs under ``OUTPUT/replay/step_N``; the run's folder is left as it was.
 """
 
@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
-from chatrl import cli, config, dist
+from chatrl import cli, config
 from chatrl.checkpoint import CHECKPOINT_DIR
+from chatrl.distributed import dist
+from chatrl.evidence.rollout_records import compare_figures, compare_rank, read_step, resolve_output
+from chatrl.evidence.weight_version import WeightVersionError
 from chatrl.rl.stats import PooledStats
-from chatrl.rollout_records import compare_figures, compare_rank, read_step, resolve_output
 from chatrl.step3_ppo.main import build, build_parser, learn_from, restore
 from chatrl.step3_ppo.trainer import Experience
-from chatrl.weight_version import WeightVersionError
 
 
 def replay_argv(index: dict, output: Path, step: int) -> list[str]:
@@ -66,12 +67,12 @@ def replay(output: str | os.PathLike, step: int, atol: float = 0.0) -> dict:
     index, ranks = read_step(folder, step)
     world = int(index["world_size"])
     if int(os.environ.get("WORLD_SIZE", "1")) != world:
-        raise SystemExit(f"chatrl.replay: the record was made by {world} ranks; this replay runs on "
-                         f"{os.environ.get('WORLD_SIZE', '1')} (run `python -m chatrl.replay` without a launcher)")
+        raise SystemExit(f"chatrl.tools.replay: the record was made by {world} ranks; this replay runs on "
+                         f"{os.environ.get('WORLD_SIZE', '1')} (run `python -m chatrl.tools.replay` without a launcher)")
     run = build(cli.parse(build_parser(), replay_argv(index, folder, step)))
     done, _, _ = restore(run)
     if done != step - 1:
-        raise SystemExit(f"chatrl.replay: the checkpoint holds step {done}, not step {step - 1}")
+        raise SystemExit(f"chatrl.tools.replay: the checkpoint holds step {done}, not step {step - 1}")
     record = ranks[run.info.rank]
     exp = recorded_experience(record, run.info.device)
     run.trainer.trace_learning(True)
@@ -100,7 +101,7 @@ def replay(output: str | os.PathLike, step: int, atol: float = 0.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The rank program of ``python -m chatrl.replay OUTPUT --step N [--atol X]`` (which starts it, under
+    """The rank program of ``python -m chatrl.tools.replay OUTPUT --step N [--atol X]`` (which starts it, under
     ``torch.distributed.run`` for a record of several ranks): exit 0 when the replay matches, 1 when not."""
     p = argparse.ArgumentParser(prog="python -m chatrl.step3_ppo.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,11 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_main():
             if result["ok"]:
                 fig = result["figures"] or {}
-                print(f"chatrl.replay: step {a.step} replayed exactly: actor_loss {fig.get('actor_loss')!r}, "
+                print(f"chatrl.tools.replay: step {a.step} replayed exactly: actor_loss {fig.get('actor_loss')!r}, "
                       f"critic_loss {fig.get('critic_loss')!r}, actor gradient norms {fig.get('actor_grad_norm')}, "
                       f"critic gradient norms {fig.get('critic_grad_norm')}", flush=True)
             else:
-                print(f"chatrl.replay: step {a.step} differs; first differing quantity: {result['first']}", flush=True)
+                print(f"chatrl.tools.replay: step {a.step} differs; first differing quantity: {result['first']}", flush=True)
                 for line in result["differences"][1:8]:
                     print(f"  then: {line}", flush=True)
         if not result["ok"]:

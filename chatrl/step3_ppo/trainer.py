@@ -50,8 +50,9 @@ import torch
 from chatrl.config import PackingConfig, PPOConfig
 from chatrl.envs import EnvFactory
 from chatrl.envs.rollout import episode_seed, run_episodes
+from chatrl.evidence.weight_version import WeightVersionCheck
 from chatrl.logprobs import token_logprobs
-from chatrl.models import causal_lm_logits, stop_token_ids, token_logits_at
+from chatrl.models.causal_lm import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
 from chatrl.rewards import RewardBatch, WeightedReward, reward_batch_from_tokens, score_on_all_ranks
 from chatrl.rewards.base import decode_exactly
@@ -66,7 +67,6 @@ from chatrl.rl.loss import (
 )
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import EpisodePlan
-from chatrl.weight_version import WeightVersionCheck
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -82,7 +82,7 @@ class Experience:
     ``action_mask`` ``(B, A)``, ``sampler_logp`` ``(B, A)`` (the generator's log-prob of each
     sampled token), ``scores`` ``(B,)`` (the weighted reward, penalty included),
     ``reward_parts`` (``{"reward/<source>": (B,)}`` unweighted), ``metadata`` (``B`` dicts), and the
-    stamp of the weights that generated each rollout (:mod:`chatrl.weight_version`):
+    stamp of the weights that generated each rollout (:mod:`chatrl.evidence.weight_version`):
     ``weight_version`` ``(B,)`` int64 and ``weight_checksum`` ``(B,)`` float64 (``None`` without a
     stamp source). For multi-turn episodes (``--env``) the answer region ``A`` holds every assistant
     turn and the observations between them: ``attention_mask`` is 1 on both, ``action_mask`` on the
@@ -253,7 +253,7 @@ class Trainer:
         weights: the source of weight stamps (:class:`chatrl.hybrid_engine.HybridEngine`:
             ``sampler_stamp()``, the weights of the last generation, and ``training_stamp()``, the
             actor's now); every rollout carries the first, and :meth:`make_experience` checks them
-            against the second (:class:`chatrl.weight_version.WeightVersionCheck`, ``weight_check``).
+            against the second (:class:`chatrl.evidence.weight_version.WeightVersionCheck`, ``weight_check``).
             ``None``: no check.
 
     Attributes:
@@ -594,7 +594,7 @@ class Trainer:
 
     def one_batch_actor_loss(self, model, parts: list[Experience]) -> torch.Tensor:
         """The policy loss of a global batch as ONE micro-batch on one rank, by its definition
-        (:class:`chatrl.certificate.LossScaleProbe`): ``parts`` (every rank's rows of the first actor
+        (:class:`chatrl.evidence.certificate.LossScaleProbe`): ``parts`` (every rank's rows of the first actor
         optimizer step, with their experience) joined, ``model``'s log-probs at the sampling
         temperature, the clipped loss over all their action tokens with the aggregation's own count
         (no accumulation, no rank, no DeepSpeed factor)."""

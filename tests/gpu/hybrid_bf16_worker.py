@@ -14,11 +14,11 @@ import json
 
 import torch
 
-from chatrl import dist as cdist
 from chatrl.config import HybridEngineConfig
-from chatrl.dist import run_program
+from chatrl.distributed import dist as cdist
+from chatrl.distributed.dist import run_program
 from chatrl.hybrid_engine import HybridEngine
-from chatrl.models import load_causal_lm, load_tokenizer
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
 from chatrl.sizes import BatchSizes
 from tests.stages.hybrid_worker import prompts, reference_model
 

@@ -29,7 +29,7 @@ def _rows(out):
 def test_nccl_process_group_and_all_reduce(tmp_path):
     script = tmp_path / "nccl.py"
     script.write_text(
-        "import torch\nfrom chatrl import dist\n"
+        "import torch\nfrom chatrl.distributed import dist\n"
         "info = dist.init_distributed()\n"
         "t = torch.ones(4, device=info.device)\n"
         "s = dist.all_reduce_sum(t)\n"

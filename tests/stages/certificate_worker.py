@@ -24,10 +24,11 @@ import json
 import sys
 from pathlib import Path
 
-from chatrl import cli, dist
-from chatrl.certificate import read_certificate
-from chatrl.dist import run_program
-from chatrl.weight_version import WeightVersionError
+from chatrl import cli
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
+from chatrl.evidence.certificate import read_certificate
+from chatrl.evidence.weight_version import WeightVersionError
 from tests.stages.loop_runs import base_argv
 
 

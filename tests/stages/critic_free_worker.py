@@ -14,7 +14,6 @@ import time
 import torch
 import torch.distributed as tdist
 
-from chatrl.reward_server import make_server
 from chatrl.rewards import (
     FunctionReward,
     HttpReward,
@@ -25,6 +24,7 @@ from chatrl.rewards import (
 )
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES, logp_diff
 from chatrl.rl.stats import PooledStats
+from chatrl.tools.reward_server import make_server
 from tests.unit.test_critic_free import critic_free_advantages, step_grad, toy_setup
 
 
@@ -84,7 +84,7 @@ def main():
     import threading
 
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     port = server.server_address[1] if rank == 0 else free_port()  # nothing listens there
     source = HttpReward(f"http://127.0.0.1:{port}/", timeout=2, retries=1)

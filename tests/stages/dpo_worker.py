@@ -19,11 +19,11 @@ import sys
 
 import torch
 
-from chatrl.dist import run_program
-from chatrl.models import load_causal_lm, load_tokenizer
+from chatrl.distributed.dist import run_program
+from chatrl.distributed.weights import full_state_dict
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
 from chatrl.step2_dpo.main import run
 from chatrl.step2_dpo.reference import batch_logps
-from chatrl.weights import full_state_dict
 from tests.conftest import DATA, STORIES
 
 

@@ -16,14 +16,14 @@ import warnings
 
 import torch
 
-from chatrl import dist as cdist
 from chatrl.config import HybridEngineConfig, LoraConfig
-from chatrl.dist import run_program
+from chatrl.distributed import dist as cdist
+from chatrl.distributed.dist import run_program
+from chatrl.distributed.weights import gathered
 from chatrl.hybrid_engine import HybridEngine, HybridEngineFallbackWarning
 from chatrl.hybrid_engine.inference_copy import release_host_memory
-from chatrl.models import apply_lora, base_model, load_causal_lm, load_tokenizer
+from chatrl.models.causal_lm import apply_lora, base_model, load_causal_lm, load_tokenizer
 from chatrl.sizes import BatchSizes
-from chatrl.weights import gathered
 
 TOL = 1e-4
 

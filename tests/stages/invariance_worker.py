@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from chatrl import dist
-from chatrl.dist import run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
 from tests.stages.loop_runs import base_argv, run
 
 #: name → (program, extra flags, ZeRO stages or None for all): each critic-free aggregation on GRPO, PPO with

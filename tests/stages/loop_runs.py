@@ -4,7 +4,7 @@ the weights at the end. The workers of ``tests/stages/test_certificate.py`` run 
 this way inside one launch (every rank of the launch runs the same list).
 
 The step programs run as they are (their ``run`` / ``build`` + ``train``); what is captured is read
-from the DeepSpeed engines they build (``chatrl.dist.trained_engine`` is wrapped while a run lasts):
+from the DeepSpeed engines they build (``chatrl.distributed.dist.trained_engine`` is wrapped while a run lasts):
 ``deepspeed.utils.safe_get_full_grad`` at the first gradient-accumulation boundary, before the
 optimizer step (every ZeRO stage; a collective under ZeRO 2 and 3, called on every rank alike).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from chatrl import dist
+from chatrl.distributed import dist
 from tests.conftest import DATA, STORIES
 
 HH = str(DATA / "hh-rlhf" / "helpful-base")
@@ -64,7 +64,7 @@ def base_argv(program: str, work: Path, out: Path, *, micro: int = 2, gas: int =
 
 
 class Capture:
-    """While active, every engine ``chatrl.dist.trained_engine`` builds is kept (``engines``, in
+    """While active, every engine ``chatrl.distributed.dist.trained_engine`` builds is kept (``engines``, in
     build order) and its first optimizer step's full gradients recorded (``grads[i]``: name → CPU
     float tensor)."""
 
@@ -108,7 +108,7 @@ class Capture:
 
     def weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """The trained engines' current full weights (gathered under ZeRO-3; every rank calls it)."""
-        from chatrl.weights import full_state_dict
+        from chatrl.distributed.weights import full_state_dict
 
         out = {}
         for i, e in enumerate(self.engines):

@@ -11,12 +11,12 @@ import sys
 
 import torch
 
-from chatrl import dist
-from chatrl.dist import run_program
-from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
-from chatrl.resilience import NonFiniteError, NonFiniteGuard
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
+from chatrl.distributed.resilience import NonFiniteError, NonFiniteGuard
+from chatrl.distributed.weights import full_state_dict
+from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
 from chatrl.sizes import BatchSizes
-from chatrl.weights import full_state_dict
 
 
 def flat(engine) -> torch.Tensor:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from chatrl import dist
-from chatrl.dist import is_main, run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import is_main, run_program
 from tests.conftest import DATA
 
 HB = str(DATA / "hh-rlhf" / "helpful-base")

@@ -17,11 +17,11 @@ import sys
 
 import torch
 
-from chatrl import dist
 from chatrl.cli import parse
-from chatrl.dist import run_program
-from chatrl.models import load_tokenizer
-from chatrl.reward_model import load_reward_model, save_reward_model
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
+from chatrl.models.causal_lm import load_tokenizer
+from chatrl.models.reward_model import load_reward_model, save_reward_model
 from chatrl.step3_ppo.main import build, build_parser, train
 from chatrl.tracking import METRICS_FILE, read_metrics
 from tests.conftest import DATA, STORIES

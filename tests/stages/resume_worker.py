@@ -13,9 +13,9 @@ hybrid engine and a LoRA actor under ZeRO-3.
 import sys
 from pathlib import Path
 
-from chatrl import dist
 from chatrl.checkpoint import RUN_MARKER
-from chatrl.dist import run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
 from tests.conftest import DATA, STORIES
 
 HH = str(DATA / "hh-rlhf" / "helpful-base")

@@ -10,8 +10,8 @@ import sys
 import torch
 
 import chatrl.step3_ppo.main as step3
-from chatrl import dist
-from chatrl.dist import run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
 
 
 def main():

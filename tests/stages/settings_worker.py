@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from chatrl import dist
-from chatrl.dist import run_program
+from chatrl.distributed import dist
+from chatrl.distributed.dist import run_program
 from tests.stages.loop_runs import base_argv, run
 from tests.stages.settings_table import FIXED_SAMPLER, PERTURBED, REWARD_MODEL, REWARD_URL, TABLE
 
@@ -105,11 +105,11 @@ def distance(a: dict, b: dict) -> float:
 def prepare(work: Path, info) -> dict:
     """The table's placeholders: a perturbed copy of stories260K, it as a reward model with a fresh
     head, and a reward server on rank 0 (its URL shared with every rank)."""
-    from chatrl.models import load_causal_lm, load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
-    from chatrl.reward_server import make_server
+    from chatrl.distributed.weights import save_hf_model
+    from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
     from chatrl.rewards import FunctionReward, WeightedReward
-    from chatrl.weights import save_hf_model
+    from chatrl.tools.reward_server import make_server
     from tests.conftest import STORIES
     from tests.stages.loop_runs import letter_reward
 

@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from chatrl.dist import is_main, run_program
-from chatrl.models import causal_lm_logits
+from chatrl.distributed.dist import is_main, run_program
+from chatrl.distributed.weights import full_state_dict
+from chatrl.models.causal_lm import causal_lm_logits
 from chatrl.step1_sft.main import run
-from chatrl.weights import full_state_dict
 
 
 def main():

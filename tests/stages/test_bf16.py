@@ -64,8 +64,8 @@ def test_step1_bf16_learns_to_end_answers_and_exports_bf16(tmp_path):
 def test_step2_bf16_learns_and_its_export_scores_the_same_everywhere(tmp_path, tiny_opt):
     from transformers import AutoModelForSequenceClassification
 
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, score_sequences
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, score_sequences
     from chatrl.rewards import RewardBatch
     from chatrl.rewards.model import TextRewardModel
     from chatrl.step2_reward.score import main as score_main
@@ -95,7 +95,7 @@ def test_step2_bf16_learns_and_its_export_scores_the_same_everywhere(tmp_path, t
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
-    from chatrl.precision import FP32_SDPA
+    from chatrl.models.precision import FP32_SDPA
 
     same_body = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1,
                                                                    attn_implementation=FP32_SDPA).eval()

@@ -9,7 +9,7 @@ per launch:
 * kill -9 of a rank at a random step of each program, then the same command again: the final weights
   equal an uninterrupted run's bit for bit, and so do the data-accounting totals;
 * each certificate property fails on a deliberately broken run with a message naming it and its
-  figure, and a recorded step replays exactly (``python -m chatrl.replay``).
+  figure, and a recorded step replays exactly (``python -m chatrl.tools.replay``).
 """
 
 import json
@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 from tests.conftest import REPO
 from tests.launch import run_ranks
 
@@ -172,16 +172,16 @@ def test_each_property_fails_on_a_broken_run_and_a_recorded_step_replays_exactly
     assert props("skipped_data")["loss_scale"]["passed"]  # the other properties still hold
 
     records = work / "records"
-    proc = subprocess.run([sys.executable, "-m", "chatrl.replay", str(records), "--step", "2"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "chatrl.tools.replay", str(records), "--step", "2"], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"},
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "chatrl.replay: step 2 replayed exactly" in proc.stdout
+    assert "chatrl.tools.replay: step 2 replayed exactly" in proc.stdout
     replay = json.loads((records / "replay" / "step_2" / "replay.json").read_text())
     assert replay["ok"] and replay["metrics"]["actor_loss"] == replay["figures"]["actor_loss"]
 
     pytest.importorskip("plotly")
-    from chatrl.inspector import write_inspector
+    from chatrl.tools.inspector import write_inspector
 
     html = write_inspector(records, 2).read_text()
     assert html.count('"rank":') == 2 * 2  # every rollout of the step: 2 prompts on each of 2 ranks

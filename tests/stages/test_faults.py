@@ -105,7 +105,7 @@ def test_killed_rank_ends_the_job_and_train_py_resumes(tmp_path):
     assert f"resumed from {ckpt / f'step_{newest}'} at optimizer step {newest}" in step_log
     assert "local_rank=1" in step_log  # the first attempt's log is kept
     assert (out / "step1_actor" / "chatrl_run.json").exists()
-    from chatrl.report import find_steps
+    from chatrl.tools.report import find_steps
 
     assert f"run report: {out / 'report.html'}" in again.stdout  # written after the step, showing the resume
     assert find_steps(out)[0].resumes == [newest] and (out / "report.html").exists()
@@ -139,7 +139,7 @@ def test_errors_a_user_causes_inside_the_ranks_are_one_line_each(tmp_path):
     rows without references. Each is now one line naming the cause, and no traceback."""
     from pathlib import Path
 
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     def run_ranks(args, check, timeout):  # under the DeepSpeed launcher, as the per-step scripts run them
         launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port",

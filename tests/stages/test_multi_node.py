@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 from tests.conftest import DATA, REPO
 
 DATA_PATH = str(DATA / "hh-rlhf" / "helpful-base[0:300]")

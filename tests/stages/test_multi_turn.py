@@ -131,7 +131,7 @@ def test_multi_turn_run_resumes_exactly_and_reports_its_turns(calc_sft, tmp_path
     turns = [t for s in samples for t in s.get("turns", [])]
     assert any(t["observation"] and t["role"] == "tool" for t in turns)
     assert all(t["observation"] == (t["role"] != "assistant") for t in turns)
-    subprocess.run([sys.executable, "-m", "chatrl.report", str(straight)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "chatrl.tools.report", str(straight)], cwd=REPO, check=True, capture_output=True)
     assert '<pre class="obs">[tool] ' in (straight / "report.html").read_text()
 
 
@@ -163,7 +163,7 @@ def test_every_turn_sft_on_sharegpt_and_oasst_stops_at_the_end_of_turn_in_chat(t
 
     from chatrl.data.sources import read_source
     from chatrl.data.turns import encode_conversation
-    from chatrl.models import load_tokenizer, stop_token_ids
+    from chatrl.models.causal_lm import load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(str(STORIES))
     sharegpt, oasst = _short_conversations(tok)

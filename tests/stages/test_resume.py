@@ -82,8 +82,8 @@ def test_step3_resume_restores_critic_ema_kl_controller_and_ptx(tmp_path, dtype)
     from its fp32 average, the critic scoring the same in plain transformers)."""
     from safetensors.torch import load_file
 
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(STORIES))
     save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "critic")
@@ -120,7 +120,7 @@ def _bf16_ema_and_critic_exports(tmp_path, out, tok):
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.reward_model import load_reward_model
 
     start = load_file(STORIES / "model.safetensors")
     ema = load_file(out / "actor_ema" / "model.safetensors")
@@ -132,7 +132,7 @@ def _bf16_ema_and_critic_exports(tmp_path, out, tok):
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-    from chatrl.precision import FP32_SDPA
+    from chatrl.models.precision import FP32_SDPA
 
     ours = load_reward_model(str(out / "critic"), tok, dtype="bf16", require_head=True).eval()
     hf = AutoModelForSequenceClassification.from_pretrained(out / "critic", num_labels=1).eval()
@@ -217,7 +217,7 @@ def test_ctrl_c_under_the_deepspeed_launcher_is_one_line_and_a_rerun_never_overw
     import time
     from pathlib import Path
 
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
     from tests.launch import REPO
 
     out = tmp_path / "sft"

@@ -29,7 +29,7 @@ def _one_rank_group_left_behind():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["deferred", "separate", "filtered"])
 def test_first_step_with_the_actor_as_reference_has_kl_zero_and_ratio_one(tmp_path, dtype, layout):
-    from chatrl.rollout_records import read_step
+    from chatrl.evidence.rollout_records import read_step
     from chatrl.step3_ppo.main import main as step3
 
     out = tmp_path / "step3"

@@ -44,8 +44,8 @@ def test_step2_zero3_blended_hh_learns_and_saves_hf_seq_cls(tmp_path, tiny_opt):
 
     from chatrl.data import PairCollator, load_samples
     from chatrl.data.examples import tokenize_samples
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model
     from chatrl.step2_reward.score import main as score_main
 
     tok = load_tokenizer(str(out))

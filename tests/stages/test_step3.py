@@ -62,7 +62,7 @@ def test_release_inference_cache_frees_the_copy_during_training(tmp_path):
     --release_inference_cache every rollout's copy is freed (time/release > 0 at each step) and each
     rank's resident memory while training is within 10% of the engine-off run's (the kept copy's
     cost, without the flag, is stated in docs/hybrid_engine.md)."""
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     model = tmp_path / "llama"  # ~30M parameters (120 MB fp32): a copy that shows in the RSS
     make_tiny_model("llama", model, TinySpec(hidden=256, layers=4, heads=4, ffn=1024))

@@ -62,7 +62,7 @@ def test_sampler_and_training_logprobs_agree_zero3_hybrid(tmp_path, tp):
 @pytest.mark.slow
 def test_http_reward_server_through_step3(tmp_path):
     """The same rollouts scored in-process and by a real server wrapping the same function: equal."""
-    proc = subprocess.Popen([sys.executable, "-m", "chatrl.reward_server", "--reward_fn",
+    proc = subprocess.Popen([sys.executable, "-m", "chatrl.tools.reward_server", "--reward_fn",
                              "tests.stages.test_step3_critic_free:answer_digits", "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     try:
@@ -85,7 +85,7 @@ def test_http_reward_server_through_step3(tmp_path):
 def test_dead_reward_server_fails_every_rank_without_hang(tmp_path):
     """Nothing listens at the URL: both ranks stop with the error naming the URL, the step and the
     algorithm. The run gives no --num_warmup_steps: the default adapts to the one-step run."""
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     url = f"http://127.0.0.1:{free_port()}/score"
     out = tmp_path / "dead"

@@ -20,8 +20,8 @@ METRICS = ["reward/score_mean", "reward/score_std", "kl", "entropy", "actor_loss
 def test_step3_program_saves_actor_critic_and_ema(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(STORIES))
     critic = load_reward_model(str(STORIES), tok, require_head=False)
@@ -65,8 +65,8 @@ def test_step3_program_saves_actor_critic_and_ema(tmp_path):
 @pytest.mark.slow
 def test_ranks_sample_independently_and_reproducibly(tmp_path):
     """Two ranks given the same prompt drew the same answer token for token."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(STORIES))
     save_reward_model(load_reward_model(str(STORIES), tok, require_head=False), tok, tmp_path / "critic")
@@ -96,8 +96,8 @@ def test_ppo_with_a_rule_reward_alone_and_summed_with_a_reward_model(tmp_path):
     logged."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
 
     base = ["-m", "chatrl.step3_ppo", "--actor_model_name_or_path", str(STORIES), "--data_path", str(DATA / "prompts"),
             "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "32", "--max_answer_seq_len", "8",

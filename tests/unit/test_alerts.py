@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from chatrl.alerts import Thresholds, check_rows
+from chatrl.evidence.alerts import Thresholds, check_rows
 from chatrl.tracking import Tracker
 
 

@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from chatrl import dist
 from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
 from chatrl.cli import parse
 from chatrl.config import LoraConfig
 from chatrl.data import build_phase_data, load_samples
+from chatrl.distributed import dist
 from chatrl.errors import UsageError
-from chatrl.models import apply_lora, load_causal_lm, load_tokenizer, torch_dtype
+from chatrl.models.causal_lm import apply_lora, load_causal_lm, load_tokenizer, torch_dtype
 from chatrl.sizes import BatchSizes
 from tests.conftest import STORIES, TOKENIZERS
 
@@ -198,7 +198,7 @@ def test_finished_output_dir_message_names_folder_marker_and_both_flags(tmp_path
 
 # 11 ----------------------------------------------------------------------------------------------
 def test_reward_folder_without_value_head_names_the_folder(stories_tok):
-    from chatrl.reward_model import MissingRewardHeadError, load_reward_model
+    from chatrl.models.reward_model import MissingRewardHeadError, load_reward_model
 
     with pytest.raises(MissingRewardHeadError) as err:
         load_reward_model(str(STORIES), stories_tok, require_head=True)
@@ -327,11 +327,11 @@ def test_length_budget_beyond_the_context_window_is_named_at_start_up(tmp_path, 
     """Every length flag of every step, chat and the scoring tool, before any loading."""
     import importlib.util
 
+    from chatrl.models.tiny import TinySpec, make_tiny_model
     from chatrl.step1_sft.main import main as step1
     from chatrl.step2_reward.main import main as step2
     from chatrl.step2_reward.score import main as score
     from chatrl.step3_ppo.main import main as step3
-    from chatrl.tiny import TinySpec, make_tiny_model
     from tests.conftest import REPO
 
     opt = tmp_path / "opt64"
@@ -419,7 +419,7 @@ def test_a_three_row_data_set_for_step_2_trains_without_evaluating_on_0_pairs(tm
 def test_sampling_flags_temperature_0_is_greedy_and_bad_values_fail_before_loading(tmp_path):
     """Step 3 used to fail after loading all four models."""
     from chatrl.errors import UsageError
-    from chatrl.models import sampling_settings
+    from chatrl.models.causal_lm import sampling_settings
     from chatrl.step3_ppo.main import main as step3
 
     assert sampling_settings(0.0, 50, 0.9) == {"do_sample": False}

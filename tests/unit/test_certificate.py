@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatrl.certificate import (
+from chatrl.evidence.certificate import (
     Certificate,
     DataAccounting,
     LossScaleProbe,
@@ -20,9 +20,14 @@ from chatrl.certificate import (
     agreement_property,
     read_certificate,
 )
+from chatrl.evidence.weight_version import (
+    WeightFingerprint,
+    WeightStamp,
+    WeightVersionCheck,
+    WeightVersionError,
+)
 from chatrl.rl import core
 from chatrl.rl.loss import policy_loss
-from chatrl.weight_version import WeightFingerprint, WeightStamp, WeightVersionCheck, WeightVersionError
 
 
 def test_critic_loss_with_the_step_normaliser_is_a_share_of_the_step_mean():
@@ -123,7 +128,7 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def _loader(batch_size: int = 2):
-    from chatrl.dist import DistInfo, seeded_loader
+    from chatrl.distributed.dist import DistInfo, seeded_loader
 
     def collate(items):
         return {"x": torch.cat([it["x"] for it in items])}
@@ -227,7 +232,13 @@ def _experience(seed: int = 0):
 
 
 def test_rollout_record_round_trip_and_the_first_differing_quantity(tmp_path):
-    from chatrl.rollout_records import compare_figures, compare_rank, read_step, recorded_steps, write_step
+    from chatrl.evidence.rollout_records import (
+        compare_figures,
+        compare_rank,
+        read_step,
+        recorded_steps,
+        write_step,
+    )
     from chatrl.step3_ppo.replay import recorded_experience
 
     exp = _experience()
@@ -256,8 +267,8 @@ def test_rollout_record_round_trip_and_the_first_differing_quantity(tmp_path):
 
 def test_inspector_page_of_a_record_and_a_diff(tmp_path):
     pytest.importorskip("plotly")
-    from chatrl.inspector import build_html
-    from chatrl.rollout_records import write_step
+    from chatrl.evidence.rollout_records import write_step
+    from chatrl.tools.inspector import build_html
     from tests.conftest import STORIES
 
     for run, seed in (("a", 0), ("b", 1)):
@@ -281,8 +292,8 @@ def test_loss_scale_reference_in_parts_has_the_one_piece_gradient(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     from chatrl.data.collate import PairCollator, SFTCollator
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, pairwise_losses
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, pairwise_losses
     from chatrl.step1_sft.loss import token_nll
     from chatrl.step1_sft.main import one_batch_loss as sft_reference
     from chatrl.step2_reward.main import one_batch_loss as reward_reference

@@ -1,5 +1,5 @@
 """Checkpoint pruning: --save_total_limit keeps the newest checkpoints, and those a caller spares
-(step 3 spares the checkpoint a recorded step starts from, which ``python -m chatrl.replay`` needs)."""
+(step 3 spares the checkpoint a recorded step starts from, which ``python -m chatrl.tools.replay`` needs)."""
 
 from pathlib import Path
 

@@ -11,6 +11,8 @@ import pytest
 
 from chatrl import config
 from chatrl.cli import parse
+from chatrl.pipeline import plan as planning
+from chatrl.pipeline import presets as pipeline_presets
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -21,7 +23,7 @@ import train  # noqa: E402
 PROGRAMS = {
     "step1": "chatrl.step1_sft.main", "step2": "chatrl.step2_reward.main", "score": "chatrl.step2_reward.score",
     "step3": "chatrl.step3_ppo.main", "dpo": "chatrl.step2_dpo.main", "eval": "chatrl.eval.main",
-    "check_template": "chatrl.check_template",
+    "check_template": "chatrl.tools.check_template",
 }
 
 
@@ -87,8 +89,8 @@ def test_add_block_refuses_unknown_default_and_to_argv_unknown_flag():
 def _preset_plans(tmp_path):
     for deployment in ("single_gpu", "single_node", "multi_node", "cpu"):
         for actor_b, reward_b in ((0.125, 0.35), (1.3, 0.35), (6.7, 1.3), (13, 0.35), (66, 7)):
-            yield f"{deployment}-{actor_b}b", train.size_preset(actor_b, reward_b, deployment, None, None)
-    yield "demo", train.demo_plan(tmp_path)[2]
+            yield f"{deployment}-{actor_b}b", pipeline_presets.size_preset(actor_b, reward_b, deployment, None, None)
+    yield "demo", pipeline_presets.demo_plan(tmp_path)[2]
 
 
 def test_every_train_preset_parses_with_each_steps_parser(tmp_path):
@@ -99,12 +101,12 @@ def test_every_train_preset_parses_with_each_steps_parser(tmp_path):
     for name, presets in _preset_plans(tmp_path):
         for s in (1, 2, 3):
             parser = p[f"step{s}"]
-            argv = [*models[f"step{s}"], *train.command_flags(presets[s], parser), "--output_dir", str(tmp_path / "o")]
+            argv = [*models[f"step{s}"], *planning.command_flags(presets[s], parser), "--output_dir", str(tmp_path / "o")]
             if "--data_path" not in argv:
                 argv += ["--data_path", "Dahoas/rm-static"]
             args = parser.parse_args(argv)  # SystemExit on any unknown or malformed flag
             assert args.output_dir == str(tmp_path / "o"), name
             n += 1
     assert n == 21 * 3
-    demo = train.demo_plan(tmp_path)[2][3]  # presets stay data until the command line is written
+    demo = pipeline_presets.demo_plan(tmp_path)[2][3]  # presets stay data until the command line is written
     assert demo["actor_zero_stage"] == 3 and demo["enable_hybrid_engine"] is True

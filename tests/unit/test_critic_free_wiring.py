@@ -6,6 +6,7 @@ import pytest
 
 from chatrl import config
 from chatrl.errors import UsageError
+from chatrl.pipeline import plan as planning
 from chatrl.rl import algorithms
 from chatrl.step3_ppo.main import build_parser
 from chatrl.step3_ppo.settings import Step3Settings
@@ -110,17 +111,17 @@ def test_train_py_skips_step2_when_rules_give_the_reward():
 
     def pipeline(*argv):
         parser = train.build_parser()
-        return config.read(train.PipelineSettings,
+        return config.read(planning.PipelineSettings,
                            parser.parse_args(normalize_argv(list(argv), {x.dest for x in parser._actions})))
 
-    steps, flags, why = train.plan_pipeline(pipeline("--actor-model", "x", "--rl-algorithm", "grpo",
+    steps, flags, why = planning.plan_pipeline(pipeline("--actor-model", "x", "--rl-algorithm", "grpo",
                                                      "--reward-fn", "exact_match"))
     assert steps == [1, 3] and "step 2 (reward model) skipped" in why
     argv = config.to_argv(build_parser(), flags)
     assert argv == ["--rl_algorithm", "grpo", "--reward_fn", "exact_match"]  # N: the algorithm's default
     s = settings(*argv)  # step 3 accepts what train.py passes
     assert s.ppo.rl_algorithm == "grpo" and s.ppo.samples_per_prompt == 4 and s.reward_model_path() is None
-    assert train.plan_pipeline(pipeline("--actor_model", "x", "--reward_model", "y", "--rl_algorithm", "rloo"))[0] == \
+    assert planning.plan_pipeline(pipeline("--actor_model", "x", "--reward_model", "y", "--rl_algorithm", "rloo"))[0] == \
         [1, 2, 3]
-    steps, flags, why = train.plan_pipeline(pipeline("--actor_model", "x", "--reward_fn", "exact_match"))
+    steps, flags, why = planning.plan_pipeline(pipeline("--actor_model", "x", "--reward_fn", "exact_match"))
     assert steps == [1, 3] and "critic starts from step 1's actor" in why  # PPO with a rule reward

@@ -9,7 +9,7 @@ import pytest
 
 from chatrl.data import encode_answer, encode_example, encode_prompt, format_answer, format_prompt
 from chatrl.data.sources import read_source
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 from tests.conftest import DATA, STORIES, TOKENIZERS
 
 HELPFUL = DATA / "hh-rlhf" / "helpful-base"
@@ -144,7 +144,7 @@ def test_rule2_chat_template_data_spelling_its_markers_stays_text(qwen2):
 
 
 def test_rule3_trained_turn_ends_with_the_templates_end_of_turn(qwen2):
-    from chatrl.models import end_of_turn_token_id, stop_token_ids
+    from chatrl.models.causal_lm import end_of_turn_token_id, stop_token_ids
 
     msgs = ({"role": "user", "content": "Name a colour."},)
     prompt, answer = encode_example(qwen2, msgs, "Blue.")

@@ -14,7 +14,7 @@ import torch
 from chatrl.data import build_phase_data, encode_answer, encode_prompt
 from chatrl.data.examples import pair_example, sft_example
 from chatrl.data.pipeline import phase_cache_key
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 from tests.conftest import DATA, REPO, TOKENIZERS
 
 USER = "Please answer the following question about the weather in a few words."
@@ -180,7 +180,7 @@ def test_cache_key_same_across_processes(gpt2, tmp_path):
     gpt2.save_pretrained(tmp_path / "tok")  # tokenizer.json: a fast load in the subprocesses
     tok = load_tokenizer(str(tmp_path / "tok"))
     entry = str(DATA / "hh-rlhf" / "helpful-base") + "[0:100]"
-    code = ("from chatrl.models import load_tokenizer; from chatrl.data.pipeline import phase_cache_key; "
+    code = ("from chatrl.models.causal_lm import load_tokenizer; from chatrl.data.pipeline import phase_cache_key; "
             f"print(phase_cache_key(1, [{entry!r}], load_tokenizer({str(tmp_path / 'tok')!r})))")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONHASHSEED": seed, "HF_HUB_OFFLINE": "1"})

@@ -1,4 +1,4 @@
-"""Parity of the fast paths in :mod:`chatrl.dist` against the plain ones : the fused AdamW
+"""Parity of the fast paths in :mod:`chatrl.distributed.dist` against the plain ones : the fused AdamW
 against torch's for-loop AdamW, and the CPU thread placement (of ranks, and of single-process commands by the
 machine's load)."""
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from chatrl import deepspeed_patches, dist
+from chatrl.distributed import deepspeed_patches, dist
 
 
 def test_fused_adamw_takes_the_plain_adamw_steps():
@@ -82,7 +82,8 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[2])
 import pytest
 import torch
-from chatrl import deepspeed_patches, dist
+from chatrl.distributed import deepspeed_patches
+from chatrl.distributed import dist
 from chatrl.sizes import BatchSizes
 dist.init_distributed()
 stage = int(sys.argv[1])
@@ -135,7 +136,7 @@ _SPARSE_PROBE = r"""
 import copy, json, sys
 import torch
 from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
-from chatrl import dist
+from chatrl.distributed import dist
 from chatrl.sizes import BatchSizes
 info = dist.init_distributed()
 stage, clip = int(sys.argv[1]), float(sys.argv[2])
@@ -173,7 +174,7 @@ if info.rank == 0:  # one RESULT line (diff over both ranks): two ranks printing
                                 "diff": diff, "norms": norms, "moved": moved,
                                 "tied_sparse": tied.get_input_embeddings().sparse,
                                 "position_sparse": model.model.decoder.embed_positions.sparse}), flush=True)
-dist.shutdown()  # gloo's threads stopped, then no interpreter teardown (it can abort: chatrl.dist.run_program)
+dist.shutdown()  # gloo's threads stopped, then no interpreter teardown (it can abort: chatrl.distributed.dist.run_program)
 dist.exit_now()
 """
 
@@ -224,7 +225,7 @@ _FROZEN_PROBE = r"""
 import copy, json, sys
 import torch
 from transformers import OPTConfig, OPTForCausalLM
-from chatrl import dist
+from chatrl.distributed import dist
 from chatrl.sizes import BatchSizes
 info = dist.init_distributed()
 cfg = OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
@@ -271,9 +272,9 @@ _REDUCE_SCATTER_PROBE = r"""
 import copy, json
 import torch
 from deepspeed import comm
-from chatrl import dist
+from chatrl.distributed import dist
 from chatrl.sizes import BatchSizes
-from chatrl.weights import full_state_dict
+from chatrl.distributed.weights import full_state_dict
 info = dist.init_distributed()
 cdb = comm.comm.cdb
 installed = bool(getattr(cdb, "_chatrl_reduce_scatter", False))
@@ -364,7 +365,7 @@ _LEAN_BF16_PROBE = r"""
 import copy, json, sys, types
 import torch
 from transformers import OPTConfig, OPTForSequenceClassification
-from chatrl import dist
+from chatrl.distributed import dist
 from chatrl.sizes import BatchSizes
 info = dist.init_distributed()
 cfg = OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
@@ -417,8 +418,8 @@ dist.exit_now()
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_lean_bf16_zero0_step_takes_deepspeeds_steps(clip, tmp_path):
     """Two ranks, bf16 at ZeRO-0: DeepSpeed wraps AdamW in its unfused bf16 optimizer, whose step chatrl
-    replaces (:func:`chatrl.deepspeed_patches.lean_bf16_zero0_step`), and chatrl's engines flatten the
-    gradients for the all-reduce into a kept buffer (:func:`~chatrl.deepspeed_patches.kept_allreduce_buffer`).
+    replaces (:func:`chatrl.distributed.deepspeed_patches.lean_bf16_zero0_step`), and chatrl's engines flatten the
+    gradients for the all-reduce into a kept buffer (:func:`~chatrl.distributed.deepspeed_patches.kept_allreduce_buffer`).
     Against a copy of the same engine that keeps DeepSpeed's own step and flattening, over four steps (two
     parameter groups, weight decay, a parameter that never gets a gradient, clipping on and off, a NaN
     loss at the third) and a fifth optimizer step taken directly with one gradient missing: the global
@@ -452,7 +453,7 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[1])
 import torch
 from deepspeed import comm
-from chatrl import dist
+from chatrl.distributed import dist
 dist.init_distributed()
 out = torch.zeros(3)
 with warnings.catch_warnings(record=True) as caught:

@@ -2,8 +2,9 @@
 
 import pytest
 
-import train
 from chatrl.cli import parse
+from chatrl.pipeline import plan as planning
+from chatrl.pipeline import presets as pipeline_presets
 from chatrl.step2_dpo.main import build_parser
 
 BASE = ["--model_name_or_path", "m", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
@@ -51,17 +52,17 @@ def test_bad_dpo_settings_are_usage_errors(capsys):
 
 
 def _dpo_argv(models: dict, presets: dict, out: str) -> list[str]:
-    return train.command_flags({**models, **presets, "output_dir": out}, build_parser())
+    return planning.command_flags({**models, **presets, "output_dir": out}, build_parser())
 
 
 def test_train_py_dpo_plan_runs_dpo_on_the_step1_actor_and_no_step3(tmp_path):
-    presets = train.size_preset(1.3, 0.35, "single_gpu", None, None)
+    presets = pipeline_presets.size_preset(1.3, 0.35, "single_gpu", None, None)
     data = ["Dahoas/rm-static"]
     for s in (1, 2, 3):
         presets[s] = {"data_path": data, **presets[s]}
     dirs = {1: tmp_path / "step1_actor", 2: tmp_path / "step2_reward", 3: tmp_path / "step3_rlhf"}
     models = {1: {"model_name_or_path": "a"}, 2: {"model_name_or_path": "r"}, 3: {}}
-    steps = train.dpo_plan(tmp_path, presets, dirs, models, [1, 2, 3])
+    steps = pipeline_presets.dpo_plan(tmp_path, presets, dirs, models, [1, 2, 3])
     assert steps == [1, 2]
     assert dirs[2] == tmp_path / "step2_dpo" and models[2] == {"model_name_or_path": str(dirs[1])}
     args = parse(build_parser(), _dpo_argv(models[2], presets[2], str(dirs[2])))
@@ -72,23 +73,23 @@ def test_train_py_dpo_plan_runs_dpo_on_the_step1_actor_and_no_step3(tmp_path):
 
 
 def test_train_py_dpo_plan_of_every_preset_parses_with_the_dpo_parser(tmp_path):
-    plans = [train.size_preset(a, r, d, None, None) for d in ("single_gpu", "single_node", "multi_node", "cpu")
+    plans = [pipeline_presets.size_preset(a, r, d, None, None) for d in ("single_gpu", "single_node", "multi_node", "cpu")
              for a, r in ((0.125, 0.35), (1.3, 0.35), (6.7, 1.3), (13, 0.35), (66, 7))]
-    plans.append(train.demo_plan(tmp_path)[2])
+    plans.append(pipeline_presets.demo_plan(tmp_path)[2])
     for presets in plans:
         for s in (1, 2, 3):
             presets[s].setdefault("data_path", ["Dahoas/rm-static"])
         dirs = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}
         models = {1: {}, 2: {}, 3: {}}
-        assert train.dpo_plan(tmp_path, presets, dirs, models, [1, 2, 3]) == [1, 2]
+        assert pipeline_presets.dpo_plan(tmp_path, presets, dirs, models, [1, 2, 3]) == [1, 2]
         args = parse(build_parser(), _dpo_argv(models[2], presets[2], "o"))  # SystemExit on a bad flag
         assert args.model_name_or_path == str(tmp_path / "s1") and args.rpo_alpha == 1.0
 
 
 def test_train_py_dpo_plan_of_the_demo_uses_pair_data_only(tmp_path):
-    _, _, presets = train.demo_plan(tmp_path)
+    _, _, presets = pipeline_presets.demo_plan(tmp_path)
     dirs = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}
-    train.dpo_plan(tmp_path, presets, dirs, {1: {}, 2: {}, 3: {}}, [1, 2])
+    pipeline_presets.dpo_plan(tmp_path, presets, dirs, {1: {}, 2: {}, 3: {}}, [1, 2])
     args = parse(build_parser(), _dpo_argv({"model_name_or_path": "m"}, presets[2], "o"))
     assert all("hh-rlhf" in d for d in args.data_path) and len(args.data_path) == 2
     assert args.zero_stage == 3 and args.learning_rate == pytest.approx(2e-4)

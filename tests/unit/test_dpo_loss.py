@@ -200,7 +200,7 @@ def test_the_answers_eos_is_scored_and_pads_are_not_even_when_pad_is_eos(pad):
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_answer_logps_are_padding_invariant(family, tiny_models):
     """Batch of 1 vs batch of 4, left and right padding: the same per-sequence log-probs within 1e-5 (fp32)."""
-    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_models[family]))
     model = load_causal_lm(str(tiny_models[family]), tok, dtype="fp32").eval()
@@ -228,7 +228,7 @@ def test_answer_logps_are_padding_invariant(family, tiny_models):
 def test_answer_logps_with_the_head_on_answer_positions_equal_full_logits(family, tiny_models):
     """batch_answer_logps (the LM head on the positions that predict answer tokens, padded at either
     side or packed) gives the log-probs, counts and gradients of answer_logps over full logits."""
-    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
     from chatrl.step2_dpo.batch import PackedDPOCollator, batch_answer_logps
 
     tok = load_tokenizer(str(tiny_models[family]))
@@ -260,7 +260,7 @@ def test_answer_logps_with_the_head_on_answer_positions_equal_full_logits(family
 def test_answer_logps_of_a_bf16_model_are_float32_sums_of_its_logits(tiny_models):
     """The fp32 island of DPO's training path (docs/precision.md): a bf16 model's answer log-probs come
     out float32, equal to answer_logps over the model's own bf16 logits (log-softmax in float32)."""
-    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
     from chatrl.step2_dpo.batch import batch_answer_logps
 
     tok = load_tokenizer(str(tiny_models["llama"]))

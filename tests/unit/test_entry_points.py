@@ -8,7 +8,10 @@ import pytest
 from chatrl.checkpoint import check_output_dir, write_run_marker
 from chatrl.cli import normalize_argv
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
+from chatrl.pipeline import evaluation
+from chatrl.pipeline import plan as planning
+from chatrl.pipeline import presets as pipeline_presets
 from tests.conftest import REPO, STORIES
 
 
@@ -38,23 +41,23 @@ def test_finished_output_is_not_clobbered(tmp_path):
 
 
 def test_model_names_and_sizes():
-    assert train.resolve_model("opt-13b") == "facebook/opt-13b"
-    assert train.resolve_model("OPT-1.3b") == "facebook/opt-1.3b"
-    assert train.resolve_model("meta-llama/Llama-2-7b-hf") == "meta-llama/Llama-2-7b-hf"
-    assert train.resolve_model(str(STORIES)) == str(STORIES.resolve())
-    assert train.size_in_billions("facebook/opt-350m") == pytest.approx(0.35)
-    assert train.size_in_billions("facebook/opt-13b") == 13.0
-    assert train.size_in_billions("meta-llama/Llama-2-7b-hf") == 7.0
+    assert planning.resolve_model("opt-13b") == "facebook/opt-13b"
+    assert planning.resolve_model("OPT-1.3b") == "facebook/opt-1.3b"
+    assert planning.resolve_model("meta-llama/Llama-2-7b-hf") == "meta-llama/Llama-2-7b-hf"
+    assert planning.resolve_model(str(STORIES)) == str(STORIES.resolve())
+    assert pipeline_presets.size_in_billions("facebook/opt-350m") == pytest.approx(0.35)
+    assert pipeline_presets.size_in_billions("facebook/opt-13b") == 13.0
+    assert pipeline_presets.size_in_billions("meta-llama/Llama-2-7b-hf") == 7.0
 
 
 def test_size_presets_scale_with_model_and_deployment():
-    small = train.size_preset(1.3, 0.35, "single_gpu", None, None)
-    big = train.size_preset(13, 0.35, "single_node", None, None)
-    huge_one_gpu = train.size_preset(13, 0.35, "single_gpu", None, None)
+    small = pipeline_presets.size_preset(1.3, 0.35, "single_gpu", None, None)
+    big = pipeline_presets.size_preset(13, 0.35, "single_node", None, None)
+    huge_one_gpu = pipeline_presets.size_preset(13, 0.35, "single_gpu", None, None)
     assert small[1]["lora_dim"] == 128 and not small[1]["offload"]
     assert big[3]["actor_zero_stage"] == 3 and big[3]["inference_tp_size"] == 2
     assert huge_one_gpu[1]["offload"] and huge_one_gpu[3]["offload_reference_model"]
-    forced = train.size_preset(13, 0.35, "single_node", 2, 1)
+    forced = pipeline_presets.size_preset(13, 0.35, "single_node", 2, 1)
     assert forced[1]["zero_stage"] == 2 and forced[2]["zero_stage"] == 1
 
 
@@ -63,24 +66,24 @@ def test_presets_turn_packing_on_for_the_families_it_serves(tmp_path):
     Qwen2), read from a local folder's config or a hub name; off otherwise."""
     from transformers import GPT2Config
 
-    assert train.packing_family("facebook/opt-1.3b") == "opt"
-    assert train.packing_family("meta-llama/Llama-2-7b-hf") == "llama" and train.packing_family("Qwen/Qwen2-7B") == "qwen2"
-    assert train.packing_family(str(STORIES)) == "llama"  # the demo's model, from its config.json
+    assert pipeline_presets.packing_family("facebook/opt-1.3b") == "opt"
+    assert pipeline_presets.packing_family("meta-llama/Llama-2-7b-hf") == "llama" and pipeline_presets.packing_family("Qwen/Qwen2-7B") == "qwen2"
+    assert pipeline_presets.packing_family(str(STORIES)) == "llama"  # the demo's model, from its config.json
     GPT2Config(n_embd=16, n_layer=1, n_head=2).save_pretrained(tmp_path)
-    assert train.packing_family(str(tmp_path)) is None and train.packing_family("EleutherAI/gpt-j-6b") is None
-    demo = train.with_packing(train.demo_plan(tmp_path / "out")[2], str(STORIES), str(STORIES))
+    assert pipeline_presets.packing_family(str(tmp_path)) is None and pipeline_presets.packing_family("EleutherAI/gpt-j-6b") is None
+    demo = pipeline_presets.with_packing(pipeline_presets.demo_plan(tmp_path / "out")[2], str(STORIES), str(STORIES))
     assert all(demo[s]["packing"] for s in (1, 2, 3))
-    mixed = train.with_packing(train.size_preset(1.3, 0.35, "single_gpu", None, None), "facebook/opt-1.3b",
+    mixed = pipeline_presets.with_packing(pipeline_presets.size_preset(1.3, 0.35, "single_gpu", None, None), "facebook/opt-1.3b",
                                str(tmp_path))
     assert mixed[1]["packing"] and "packing" not in mixed[2] and "packing" not in mixed[3]
 
 
 def test_multi_node_needs_a_hostfile(tmp_path):
     with pytest.raises(SystemExit, match="hostfile"):
-        train.launcher("multi_node", None, str(tmp_path / "missing"), None)
+        planning.launcher("multi_node", None, str(tmp_path / "missing"), None)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
-    cmd, _ = train.launcher("multi_node", None, str(hostfile), 29600)
+    cmd, _ = planning.launcher("multi_node", None, str(hostfile), 29600)
     assert cmd[-4:] == ["--hostfile", str(hostfile), "--master_port", "29600"]
 
 
@@ -114,7 +117,7 @@ def test_missing_local_data_path_is_refused_at_parse_time(tmp_path):
 
 
 def test_demo_plan_uses_each_data_set_once_per_step(tmp_path):
-    _, _, presets = train.demo_plan(tmp_path)
+    _, _, presets = pipeline_presets.demo_plan(tmp_path)
     for step in (1, 2, 3):
         paths = presets[step]["data_path"]
         assert len(paths) == len(set(paths)), (step, paths)
@@ -168,12 +171,12 @@ def test_chat_temperature_0_is_greedy_decoding(monkeypatch, capsys):
 
 def _parsers():
     """Every chatrl program's parser, with a flag prefix it must refuse and the flag it abbreviates."""
-    from chatrl.reward_server import build_parser as server
     from chatrl.step1_sft.main import build_parser as step1
     from chatrl.step2_dpo.main import build_parser as dpo
     from chatrl.step2_reward.main import build_parser as step2
     from chatrl.step2_reward.score import build_parser as score
     from chatrl.step3_ppo.main import build_parser as step3
+    from chatrl.tools.reward_server import build_parser as server
 
     base = ["--model_name_or_path", "m", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
     base3 = ["--actor_model_name_or_path", "a", "--data_path", "Dahoas/rm-static", "--output_dir", "o"]
@@ -202,7 +205,7 @@ def test_no_program_accepts_abbreviations_and_a_usage_error_is_one_line_from_ran
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args(argv)
         assert exit_.value.code == 2 and capsys.readouterr().err == ""
-    from chatrl import report
+    from chatrl.tools import report
 
     with pytest.raises(SystemExit):
         report.main(["o", "--ou", "x.html"])
@@ -264,13 +267,13 @@ def test_demo_warmups_are_fractions_that_keep_the_demos_steps_and_fit_a_short_ru
     same steps on the demo's runs (114, 91, 40; DPO 46) and fit any shorter one."""
     from chatrl.sizes import warmup_steps
 
-    _, _, presets = train.demo_plan(tmp_path)
+    _, _, presets = pipeline_presets.demo_plan(tmp_path)
     dirs, models = {1: tmp_path / "s1", 2: tmp_path / "s2", 3: tmp_path / "s3"}, {1: {}, 2: {}, 3: {}}
     for step, total, before in ((1, 114, 10), (2, 91, 10), (3, 40, 5)):
         fraction = presets[step]["num_warmup_steps"]
         assert warmup_steps(fraction, 0, total, "steps") == (before, None)
         assert warmup_steps(fraction, 0, 3, "steps")[0] < 3
-    train.dpo_plan(tmp_path, presets, dirs, models, [1, 2])
+    pipeline_presets.dpo_plan(tmp_path, presets, dirs, models, [1, 2])
     assert warmup_steps(presets[2]["num_warmup_steps"], 0, 46, "steps") == (10, None)
 
 
@@ -338,7 +341,7 @@ def test_a_rule_reward_run_gets_its_data_and_reward_checked_before_step_1(tmp_pa
         train.plan([*base, "--reward-fn", "exact_mach", "--data-path", str(sft), str(prompts)])
     assert str(e.value) == ("train.py: --reward-fn 'exact_mach': expected module:function, path/to/file.py:function or "
                             "one of ['exact_match', 'regex_format']")
-    flags = train.eval_flags(pipe, None)
+    flags = evaluation.eval_flags(pipe, None)
     assert flags["judge"] == "exact_match"  # the evaluation judges with the run's reward function
 
 

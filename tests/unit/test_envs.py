@@ -30,7 +30,7 @@ from chatrl.envs.calculator import (
 from chatrl.envs.guess import GuessNumberEnv
 from chatrl.envs.rollout import run_episodes
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer, stop_token_ids
+from chatrl.models.causal_lm import load_tokenizer, stop_token_ids
 from tests.conftest import STORIES, TOKENIZERS
 
 # ----------------------------------------------------------------------------- the calculator

@@ -84,8 +84,8 @@ def test_a_pairwise_judge_in_both_orders_cancels_its_position_bias():
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory, tiny_opt):
     """A random-head reward model on tiny OPT (GPT-2 BPE: another tokenizer than stories260K's)."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
 
     out = tmp_path_factory.mktemp("judge_rm") / "rm"
     tok = load_tokenizer(str(tiny_opt))
@@ -95,7 +95,7 @@ def reward_model(tmp_path_factory, tiny_opt):
 
 def test_a_reward_model_judge_reads_text_with_its_own_tokenizer(reward_model):
     from chatrl.data.schema import Sample
-    from chatrl.reward_model import encode_rows, score_sequences
+    from chatrl.models.reward_model import encode_rows, score_sequences
 
     judge = RewardModelJudge(str(reward_model), max_seq_len=64, batch_size=2)
     prompts = [({"role": "user", "content": "Hi there"},),
@@ -171,9 +171,9 @@ def test_every_reward_kind_is_a_judge():
 
 def test_snapshots_are_written_every_interval_but_the_last_and_listed_in_step_order(tmp_path, capsys):
     from chatrl.cli import parse
-    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.distributed.weights import list_snapshots, save_snapshot_if_due
+    from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
     from chatrl.step3_ppo.main import build_parser
-    from chatrl.weights import list_snapshots, save_snapshot_if_due
 
     tok = load_tokenizer(str(STORIES))
     model = load_causal_lm(str(STORIES), tok)

@@ -21,7 +21,7 @@ PROMPTS = str(DATA / "hh-rlhf" / "helpful-base") + "[0:40]"
 def models(tmp_path_factory) -> dict[str, Path]:
     """Model folders: a random-init Llama with stories260K's tokenizer, one with GPT-2's, stories260K's
     weights without a tokenizer, and a step-3 output made of stories260K and the random model."""
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("eval_models")
     spec = TinySpec(hidden=64, layers=2, heads=4, ffn=128)
@@ -89,7 +89,7 @@ def test_pretrained_beats_random_narrowly_and_swapping_the_models_mirrors_every_
 
 
 def test_a_step3_output_is_a_checkpoint_series_with_the_over_optimisation_check(tmp_path, models):
-    from chatrl.report import evaluation_html
+    from chatrl.tools.report import evaluation_html
 
     gold = f"{HERE / 'eval_judges.py'}:english_words"
     r = evaluate(tmp_path / "eval", "--models", str(STORIES), str(models["run"]), "--judge", JUDGE,

@@ -5,7 +5,7 @@ after their first stop id."""
 import torch
 
 from chatrl.generation import answer_tokens, generate_answers, inference_engine, left_pad
-from chatrl.models import load_causal_lm, load_tokenizer, stop_token_ids
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer, stop_token_ids
 from tests.conftest import STORIES
 
 
@@ -104,7 +104,7 @@ def test_a_model_attending_in_fp32_caches_fp32_keys_and_decodes_the_same_bits(mo
     and values in float32 (converted once, exactly) instead of converting the whole cache in every layer
     at every step; tokens, logits and log-probs equal those of a bf16 cache bit for bit."""
     import chatrl.hybrid_engine.decode as decode_module
-    from chatrl.precision import FP32_SDPA
+    from chatrl.models.precision import FP32_SDPA
 
     tok, model, batch = _stories_bf16_batch()
     assert model.config._attn_implementation == FP32_SDPA

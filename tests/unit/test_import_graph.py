@@ -64,7 +64,7 @@ def test_finder_sees_a_cycle():
 
 def test_chatrl_modules_import_no_cycle():
     graph = import_graph()
-    assert "chatrl.dist" in graph and graph["chatrl.step3_ppo.main"], "the walk found the package's imports"
+    assert "chatrl.distributed.dist" in graph and graph["chatrl.step3_ppo.main"], "the walk found the package's imports"
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -75,21 +75,60 @@ def step_of(module: str) -> str | None:
 
 
 def test_layers():
-    """The layer rules of docs/architecture.md: library code never imports a step package, no step
-    imports another, the RL maths and the token maths import only what is below them, and the
-    hybrid engine takes its token maths from below."""
+    """The layer rules of docs/architecture.md: library code (train.py's plan, chatrl.pipeline, included)
+    never imports a step package, no step imports another, the RL maths and the token maths import
+    only what is below them, and the hybrid engine takes its token maths from below."""
     graph = import_graph()
     for mod, targets in graph.items():  # no exception: a command of a step's starts it by module name
         for t in targets:
             if step_of(t) is not None:
                 assert step_of(mod) == step_of(t), f"{mod} imports the step package of {t}"
-    assert not any(step_of(t) for t in graph["chatrl.replay"])
+    assert not any(step_of(t) for t in graph["chatrl.tools.replay"])
+    assert {"chatrl.pipeline.plan", "chatrl.pipeline.presets", "chatrl.pipeline.evaluation"} <= set(graph)
+    assert "chatrl.rl.algorithms" in graph["chatrl.pipeline.plan"]  # the walk reads the planner
+    for mod in (m for m in graph if m.startswith("chatrl.pipeline")):  # the step parsers come in as an argument
+        evaluation = {t for t in graph[mod] if t.startswith("chatrl.eval")}
+        assert evaluation <= {"chatrl.eval.settings"}, f"{mod} imports {evaluation} (only the evaluation's block)"
     assert graph["chatrl.logprobs"] == set()
     for mod in (m for m in graph if m.startswith("chatrl.rl")):
         allowed = {m for m in graph if m.startswith("chatrl.rl")} | {"chatrl.logprobs", "chatrl.errors"}
         assert graph[mod] <= allowed, f"{mod} imports {graph[mod] - allowed} (the RL maths is pure)"
     assert "chatrl.logprobs" in graph["chatrl.hybrid_engine.decode"]
-    assert "chatrl.reward_model" in graph["chatrl.step3_ppo.engine"]  # the reward model is library code
+    assert "chatrl.models.reward_model" in graph["chatrl.step3_ppo.engine"]  # the reward model is library code
+
+
+def tool_of(module: str) -> str | None:
+    """The leaf tool a module is (``chatrl.tools.report``), or None."""
+    return module if module.startswith("chatrl.tools.") else None
+
+
+def test_leaf_tools_are_imported_by_nothing():
+    """A leaf tool (``chatrl/tools/``: the report, the inspector, the replay, the web chat, the reward
+    server, the template checker) is a command: no module of chatrl imports one, another tool included;
+    the tools' package itself holds no code."""
+    graph = import_graph()
+    assert {"chatrl.tools.report", "chatrl.tools.web_chat", "chatrl.tools.inspector"} <= set(graph)
+    for mod, targets in graph.items():
+        for t in targets:
+            assert tool_of(t) is None, f"{mod} imports the leaf tool {t}"
+    assert graph["chatrl.tools"] == set()
+
+
+def test_no_module_is_named_after_the_standard_library():
+    """No chatrl module or package shares a name with a standard-library module (``http``, ``token``,
+    ``logging``...): a reader would take one for the other, and a script beside it would shadow it."""
+    import sys
+
+    names = [(p, part) for p in PKG.rglob("*.py") for part in p.relative_to(PKG).with_suffix("").parts]
+    clashes = sorted({f"{p.relative_to(PKG.parent)}" for p, part in names if part in sys.stdlib_module_names})
+    assert not clashes, clashes
+
+
+def test_the_top_level_shows_the_parts():
+    """chatrl's top level holds at most 15 modules; the rest sits in packages named for what they are
+    (docs/architecture.md)."""
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 15, top
 
 
 def test_chatrl_imports_sit_at_module_tops():
@@ -108,7 +147,7 @@ def test_chatrl_imports_sit_at_module_tops():
 
 
 def test_deepspeed_workarounds_live_in_one_module():
-    """What chatrl changes in DeepSpeed is in chatrl.deepspeed_patches alone."""
+    """What chatrl changes in DeepSpeed is in chatrl.distributed.deepspeed_patches alone."""
     markers = ("build_shm_op", "reduce_scatter_function", "muon_optimizer", "allreduce_gradients")
     found = [f"{p.relative_to(PKG.parent)}: {m}" for p in PKG.rglob("*.py") if p.name != "deepspeed_patches.py"
              for m in markers if m in p.read_text()]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from chatrl.config import LoraConfig
-from chatrl.models import (
+from chatrl.models.causal_lm import (
     apply_lora,
     causal_lm_logits,
     load_causal_lm,
@@ -111,8 +111,8 @@ def test_export_keeps_tied_embeddings_and_live_config(tmp_path, lora_dim):
     from transformers import AutoModelForCausalLM
 
     from chatrl.config import LoraConfig
-    from chatrl.models import apply_lora, base_model, load_causal_lm
-    from chatrl.weights import save_hf_model
+    from chatrl.distributed.weights import save_hf_model
+    from chatrl.models.causal_lm import apply_lora, base_model, load_causal_lm
 
     tok = load_tokenizer(str(STORIES))
     model = load_causal_lm(str(STORIES), tok)
@@ -130,9 +130,9 @@ def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
     """The exported generation config lists <|im_end|> among its EOS ids."""
     from transformers import GenerationConfig
 
-    from chatrl.models import load_causal_lm
-    from chatrl.tiny import TinySpec, make_tiny_model
-    from chatrl.weights import save_hf_model
+    from chatrl.distributed.weights import save_hf_model
+    from chatrl.models.causal_lm import load_causal_lm
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     make_tiny_model("qwen2", tmp_path / "q", TinySpec(hidden=32, layers=1, heads=2, ffn=64))
     tok = load_tokenizer(str(tmp_path / "q"))
@@ -145,7 +145,7 @@ def test_export_generation_config_stops_on_the_templates_end_of_turn(tmp_path):
 
 def test_sampling_settings_temperature_0_is_greedy_and_bad_values_name_the_flag():
     """Temperature 0 means greedy decoding everywhere, bad values fail at start-up."""
-    from chatrl.models import sampling_settings
+    from chatrl.models.causal_lm import sampling_settings
 
     assert sampling_settings(0.0, 50, 0.9) == {"do_sample": False}
     assert sampling_settings(0.7, 0, 1.0, greedy=True) == {"do_sample": False}
@@ -159,7 +159,7 @@ def test_sampling_settings_temperature_0_is_greedy_and_bad_values_name_the_flag(
 def test_decode_at_temperature_0_is_argmax():
     """The hybrid engine's decoder with the settings of --temperature 0: argmax, no NaN."""
     from chatrl.hybrid_engine.decode import GenerationSettings, pick_tokens, process_logits
-    from chatrl.models import sampling_settings
+    from chatrl.models.causal_lm import sampling_settings
 
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
     s = GenerationSettings(max_new_tokens=1, **{"temperature": 1.0, **sampling_settings(0.0)})
@@ -183,7 +183,7 @@ def test_logits_to_keep_equals_the_last_positions_of_full_logits(tiny_models, fa
 def test_sft_nll_on_labelled_positions_equals_the_full_logits_path(tiny_models, family, side):
     """Step 1's LM head on the labelled positions only: the same NLL sum, token count and gradient as
     the head over every position, whatever the padding side (prompt tokens masked, as step 1 does)."""
-    from chatrl.models import head_is_plain
+    from chatrl.models.causal_lm import head_is_plain
     from chatrl.step1_sft.loss import sft_nll
 
     tok = load_tokenizer(str(tiny_models[family]))
@@ -206,7 +206,7 @@ def test_sft_nll_on_labelled_positions_equals_the_full_logits_path(tiny_models, 
 
 def test_a_soft_capped_head_falls_back_to_full_logits(tiny_models):
     """A config that scales or soft-caps the head's output takes the full-logits path: same values."""
-    from chatrl.models import head_is_plain, labelled_token_logits
+    from chatrl.models.causal_lm import head_is_plain, labelled_token_logits
 
     tok = load_tokenizer(str(tiny_models["opt"]))
     model = load_causal_lm(str(tiny_models["opt"]), tok).eval()

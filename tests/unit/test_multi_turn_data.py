@@ -15,7 +15,7 @@ from chatrl.data.schema import RowSkip, adapt_hh, adapt_messages, adapt_pairs
 from chatrl.data.sources import read_source
 from chatrl.data.turns import encode_conversation, observation_ids
 from chatrl.logprobs import IGNORE_INDEX
-from chatrl.models import end_of_turn_token_id, load_tokenizer
+from chatrl.models.causal_lm import end_of_turn_token_id, load_tokenizer
 from tests.conftest import DATA, STORIES, TOKENIZERS
 
 

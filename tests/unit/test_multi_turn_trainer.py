@@ -12,7 +12,7 @@ import torch
 from chatrl.config import PPOConfig, RewardConfig
 from chatrl.data.formatting import encode_example
 from chatrl.envs import load_environment
-from chatrl.models import load_tokenizer, stop_token_ids
+from chatrl.models.causal_lm import load_tokenizer, stop_token_ids
 from chatrl.rewards import build_reward
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, grpo_outcome_advantages, outcome_per_token, ppo_advantages

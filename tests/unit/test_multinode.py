@@ -1,9 +1,9 @@
 """Hostfile reading, the launcher flags of both multi-node modes, and naming the node a lost
-connection points to (chatrl.multinode), without starting a job."""
+connection points to (chatrl.distributed.multinode), without starting a job."""
 
 import pytest
 
-from chatrl import multinode
+from chatrl.distributed import multinode
 
 
 def _hostfile(tmp_path, text):

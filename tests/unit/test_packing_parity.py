@@ -19,8 +19,8 @@ from chatrl.config import OptimConfig, PackingConfig, PPOConfig
 from chatrl.data.collate import PackedPairCollator, PackedSFTCollator, PairCollator, SFTCollator
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
-from chatrl.models import check_packing, load_causal_lm, load_tokenizer
-from chatrl.reward_model import RewardModel, load_reward_model, pairwise_loss
+from chatrl.models.causal_lm import check_packing, load_causal_lm, load_tokenizer
+from chatrl.models.reward_model import RewardModel, load_reward_model, pairwise_loss
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import loss_aggregation
 from chatrl.step1_sft.loss import sft_nll
@@ -92,7 +92,7 @@ def test_step1_sft_loss_packed_equals_padded(family_models, family, mask_prompt,
         p = packed["packed"]
         lp_pad = torch.log_softmax(model(input_ids=padded["input_ids"],
                                          attention_mask=padded["attention_mask"]).logits.float(), -1)
-        from chatrl.models import causal_lm_logits
+        from chatrl.models.causal_lm import causal_lm_logits
 
         lp_packed = p.unpack(torch.log_softmax(causal_lm_logits(model, p.input_ids, None, packed=p).float(), -1))
         labels_packed = p.unpack(packed["labels"])
@@ -327,7 +327,7 @@ def test_packing_refuses_an_untested_family_by_name(tmp_path):
         check_packing(PackingConfig(packing=True), str(tmp_path))
     check_packing(PackingConfig(packing=False), str(tmp_path))  # nothing to check without --packing
     model = SimpleNamespace(config=SimpleNamespace(model_type="gpt2", _attn_implementation="sdpa", name_or_path="x"))
-    from chatrl.models import packed_inputs
+    from chatrl.models.causal_lm import packed_inputs
     from chatrl.packing import pack
 
     with pytest.raises(UsageError, match="'gpt2'"):
@@ -337,7 +337,7 @@ def test_packing_refuses_an_untested_family_by_name(tmp_path):
 def test_reward_model_class_is_packed_by_its_backbone_family(tiny_opt):
     """The reward model (a sequence-classification wrapper) reads its backbone's family: OPT gets the
     block-diagonal mask."""
-    from chatrl.models import packed_inputs
+    from chatrl.models.causal_lm import packed_inputs
     from chatrl.packing import pack
 
     tok = load_tokenizer(str(tiny_opt))
@@ -349,10 +349,10 @@ def test_reward_model_class_is_packed_by_its_backbone_family(tiny_opt):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_reward_scores_packed_equal_padded_with_the_fp32_attention(family_models, family):
-    """In bf16 on CPU the reward model attends in float32 (chatrl.precision.FP32_SDPA), which takes
+    """In bf16 on CPU the reward model attends in float32 (chatrl.models.precision.FP32_SDPA), which takes
     OPT's block-diagonal mask and Llama's and Qwen2's restarting positions: packed end scores equal the
     padded ones to bf16 rounding (a tolerance of 2⁻⁶ of the largest score; on this CPU they come out equal)."""
-    from chatrl.precision import FP32_SDPA
+    from chatrl.models.precision import FP32_SDPA
 
     tok = load_tokenizer(str(family_models[family]))
     torch.manual_seed(0)

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatrl import precision
 from chatrl.config import ModelConfig, PPOConfig
 from chatrl.errors import UsageError
 from chatrl.logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+from chatrl.models import precision
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, global_masked_whiten
 from chatrl.rl.algorithms import ALGORITHMS
@@ -98,8 +98,8 @@ def test_compute_in_fp32_gives_float32_outputs_and_bf16_gradients():
 
 
 def test_reward_model_scores_and_values_are_float32_in_bf16(tiny_opt):
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model
 
     tok = load_tokenizer(str(tiny_opt))
     rm = load_reward_model(str(tiny_opt), tok, dtype="bf16", require_head=False).eval()
@@ -116,7 +116,7 @@ def test_reward_model_scores_and_values_are_float32_in_bf16(tiny_opt):
 
 def test_fp32_lm_head_gives_float32_logits_in_training_and_decoding(tiny_opt):
     from chatrl.hybrid_engine.decode import head_weight, project_head
-    from chatrl.models import causal_lm_logits, load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import causal_lm_logits, load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_opt))
     plain = load_causal_lm(str(tiny_opt), tok, "bf16").eval()
@@ -200,7 +200,7 @@ def test_every_advantage_estimator_promotes_bf16_scores_kl_and_values(name):
 
 
 def test_sft_dpo_and_reward_losses_promote_bf16():
-    from chatrl.reward_model import pairwise_loss
+    from chatrl.models.reward_model import pairwise_loss
     from chatrl.step1_sft.loss import token_nll
     from chatrl.step2_dpo.loss import DPOConfig, answer_logps, preference_loss
 
@@ -346,8 +346,8 @@ def test_bf16_models_load_with_the_fp32_attention_on_cpu(family, tiny_models, ti
     """A bf16 causal LM and reward model load with the island, an fp32 one with transformers' own; the
     island sees the padding: a left-padded row's logits equal the row alone to bf16 rounding, and
     ignoring the mask moves them far more."""
-    from chatrl.models import load_causal_lm, load_tokenizer
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
+    from chatrl.models.reward_model import load_reward_model
 
     path = str({**tiny_models, "qwen2": tiny_qwen2}[family])
     tok = load_tokenizer(path)

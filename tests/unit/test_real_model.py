@@ -1,4 +1,4 @@
-"""The real chat model SmolLM2-135M-Instruct (``python -m chatrl.model_zoo smollm2-135m-instruct``; the
+"""The real chat model SmolLM2-135M-Instruct (``python -m chatrl.models.model_zoo smollm2-135m-instruct``; the
 test command fetches it): the conversion, and what real chat models break in RLHF tools: pad = EOS =
 end of turn, the template's default system prompt, tied embeddings, grouped-query heads and the TP
 size, a 49K vocabulary. Skipped, with the reason, where the model could not be fetched."""
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from chatrl import model_zoo
 from chatrl.errors import UsageError
+from chatrl.models import model_zoo
 
 NAME = "smollm2-135m-instruct"
 FOLDER = model_zoo.model_dir(NAME)
@@ -24,7 +24,7 @@ needs_model = pytest.mark.skipif(not model_zoo.is_converted(FOLDER),
 
 @pytest.fixture(scope="module")
 def tok():
-    from chatrl.models import load_tokenizer
+    from chatrl.models.causal_lm import load_tokenizer
 
     return load_tokenizer(str(FOLDER))
 
@@ -47,7 +47,7 @@ def test_names_and_gguf_paths_resolve_or_fail_in_one_line(tmp_path, monkeypatch)
     assert model_zoo.resolve("opt-1.3b") == "facebook/opt-1.3b"
     assert model_zoo.resolve("Qwen/Qwen2-7B") == "Qwen/Qwen2-7B"
     monkeypatch.setenv("CHATRL_HOME", str(tmp_path / "home"))
-    with pytest.raises(UsageError, match=r"not fetched yet; run `python -m chatrl.model_zoo smollm2-135m-instruct`"):
+    with pytest.raises(UsageError, match=r"not fetched yet; run `python -m chatrl.models.model_zoo smollm2-135m-instruct`"):
         model_zoo.resolve(NAME)
     with pytest.raises(UsageError, match="no such GGUF file"):
         model_zoo.resolve(str(tmp_path / "missing.gguf"))
@@ -73,7 +73,7 @@ def test_a_gguf_of_an_architecture_transformers_cannot_dequantize_is_one_line(tm
 
 @needs_model
 def test_pad_is_not_eos_and_every_stop_is_the_end_of_turn(tok):
-    from chatrl.models import end_of_turn_token_id, stop_token_ids
+    from chatrl.models.causal_lm import end_of_turn_token_id, stop_token_ids
 
     assert tok.eos_token_id == END_OF_TURN and end_of_turn_token_id(tok) == END_OF_TURN
     assert tok.pad_token_id not in (END_OF_TURN, None)  # load_tokenizer adds <pad>: the shipped pad is the EOS
@@ -121,7 +121,7 @@ def test_step1_trains_the_end_of_turn_that_ends_the_answer_and_not_the_prompt(to
 
 @needs_model
 def test_the_reward_models_score_sits_on_the_end_of_turn_whatever_the_padding(tok):
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.reward_model import load_reward_model
 
     rm = load_reward_model(str(FOLDER), tok, dtype="fp32", require_head=False).eval()
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
@@ -146,8 +146,8 @@ def test_tied_embeddings_stay_one_tensor_through_the_pad_row_lora_and_the_export
     from transformers import AutoModelForCausalLM
 
     from chatrl.config import LoraConfig
-    from chatrl.models import apply_lora, load_causal_lm
-    from chatrl.weights import save_hf_model
+    from chatrl.distributed.weights import save_hf_model
+    from chatrl.models.causal_lm import apply_lora, load_causal_lm
 
     model = load_causal_lm(str(FOLDER), tok)
     assert model.get_input_embeddings().weight.shape[0] == 49160  # the <pad> row, rounded to a multiple of 8

@@ -54,7 +54,7 @@ def make_output(root: Path) -> Path:
             t.sample(step, "\n\nHuman: say <b>hi</b>\n\nAssistant:", f"hi number {step}", 0.2 + 0.01 * step, 0.1 * step,
                      show=False)
     t.close()
-    from chatrl.certificate import Certificate, Property
+    from chatrl.evidence.certificate import Certificate, Property
 
     c = Certificate(s1, "step 1 (SFT)")  # step 1 passes, step 2 fails its loss scale, step 3 has none yet
     c.add(Property("loss_scale", 2e-8, 1e-3, True, "loss scale (model) passed: ratio 1"))
@@ -70,7 +70,7 @@ def make_output(root: Path) -> Path:
 
 
 def test_report_of_a_three_step_output(tmp_path):
-    from chatrl.report import build_html, find_steps, headlines, write_report
+    from chatrl.tools.report import build_html, find_steps, headlines, write_report
 
     out = make_output(tmp_path / "out")
     runs = find_steps(out)
@@ -118,7 +118,7 @@ def test_report_of_a_three_step_output(tmp_path):
 
 
 def test_report_of_one_step_folder_and_a_folder_without_logs(tmp_path):
-    from chatrl.report import build_html, report_note
+    from chatrl.tools.report import build_html, report_note
 
     out = make_output(tmp_path / "out")
     _, n = build_html(out / "step2_reward")
@@ -129,7 +129,7 @@ def test_report_of_one_step_folder_and_a_folder_without_logs(tmp_path):
 
 
 def test_report_command_line(tmp_path, capsys):
-    from chatrl.report import main
+    from chatrl.tools.report import main
 
     out = make_output(tmp_path / "out")
     main([str(out)])
@@ -139,7 +139,7 @@ def test_report_command_line(tmp_path, capsys):
 
 
 def test_long_runs_are_thinned_to_a_small_report(tmp_path):
-    from chatrl.report import _thin, write_report
+    from chatrl.tools.report import _thin, write_report
 
     xs = list(range(1, 10_001))
     tx, ty = _thin(xs, [2.0 * x for x in xs], limit=2000)
@@ -175,7 +175,7 @@ def test_stop_at_marker(pieces, shown):
 
 
 def test_web_chat_request_checks():
-    from chatrl.web_chat import check_request
+    from chatrl.tools.web_chat import check_request
 
     msgs = [{"role": "system", "content": " "}, {"role": "user", "content": "hi"}]
     model, messages, settings = check_request({"model": 1, "messages": msgs, "temperature": 0}, 2, 512,
@@ -198,7 +198,7 @@ def test_web_chat_columns_say_which_model_is_rlhf_and_which_sft(tmp_path):
     import json
 
     from chatrl.checkpoint import RUN_MARKER
-    from chatrl.web_chat import model_role
+    from chatrl.tools.web_chat import model_role
 
     out = tmp_path / "output"
     for folder, marker in (("step1_actor", {"step": 1}), ("step3_rlhf", {"step": 3, "args": {"rl_algorithm": "grpo"}}),
@@ -218,7 +218,7 @@ def test_report_has_an_evaluation_section(tmp_path):
     """train.py's OUTPUT/eval/eval.json (chatrl.eval) gives a section: the pair table with intervals and
     the within-noise mark, the over-optimisation line, the KL / win-rate frontier (one chart more), and
     answers side by side (escaped)."""
-    from chatrl.report import build_html
+    from chatrl.tools.report import build_html
 
     out = make_output(tmp_path / "out")
     before = build_html(out)[1]

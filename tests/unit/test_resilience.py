@@ -8,7 +8,7 @@ import torch
 
 from chatrl.checkpoint import Cycle, LoopCheckpoints, batches_from
 from chatrl.config import CheckpointConfig
-from chatrl.resilience import NonFiniteError, NonFiniteGuard, skip_nonfinite_steps
+from chatrl.distributed.resilience import NonFiniteError, NonFiniteGuard, skip_nonfinite_steps
 
 
 def test_guard_counts_skipped_optimizer_steps_and_stops_after_k_in_a_row():
@@ -149,7 +149,7 @@ def test_batches_from_gives_a_resumed_step_the_same_batches():
 
 
 def test_failure_report_names_rank_step_and_progress_but_not_usage_errors(capsys, monkeypatch):
-    from chatrl.resilience import report_failure, set_progress
+    from chatrl.distributed.resilience import report_failure, set_progress
 
     monkeypatch.setenv("RANK", "1")
     set_progress("step 2 (reward model)", 7)
@@ -167,8 +167,8 @@ def test_failure_report_names_rank_step_and_progress_but_not_usage_errors(capsys
 def test_ctrl_c_is_one_line_saying_what_was_saved_and_how_to_go_on(capsys, monkeypatch):
     """Ctrl-C printed a raw KeyboardInterrupt traceback per rank; now rank 0 prints one line and the
     process exits with 130 (the shells' code for SIGINT)."""
-    from chatrl import resilience
-    from chatrl.resilience import report_failure, set_progress
+    from chatrl.distributed import resilience
+    from chatrl.distributed.resilience import report_failure, set_progress
 
     monkeypatch.setattr(resilience, "_PROGRESS", dict(resilience._PROGRESS, saved=None, resumes=False))
     monkeypatch.setenv("RANK", "0")

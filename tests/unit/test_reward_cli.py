@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from chatrl.dist import shard_for_eval
+from chatrl.distributed.dist import shard_for_eval
 from chatrl.step2_reward.main import build_parser, split_pairs
 from chatrl.step2_reward.score import encode_rows, prompt_messages
 
@@ -44,8 +44,8 @@ def test_prompt_messages_plain_and_transcript():
 
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory, tiny_opt):
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
 
     tok = load_tokenizer(str(tiny_opt))
     rm = load_reward_model(str(tiny_opt), tok, require_head=False)
@@ -98,7 +98,7 @@ def test_score_cli_needs_pairs_or_prompt_and_chosen(reward_dir):
 
 
 def test_score_cli_refuses_a_causal_lm_folder(tiny_opt):
-    from chatrl.reward_model import MissingRewardHeadError
+    from chatrl.models.reward_model import MissingRewardHeadError
     from chatrl.step2_reward.score import main
 
     with pytest.raises(MissingRewardHeadError):

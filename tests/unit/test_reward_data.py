@@ -10,7 +10,7 @@ import pytest
 
 from chatrl.data import PromptCollator, build_phase_data
 from chatrl.data.schema import RowSkip, adapt_prompt, detect_schema
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 from chatrl.rewards.builtin import exact_match, regex_format
 from tests.conftest import REPO, TOKENIZERS
 

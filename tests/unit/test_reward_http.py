@@ -1,5 +1,5 @@
 """The HTTP reward path against real servers on 127.0.0.1: the reference server (in-process and as
-``python -m chatrl.reward_server``), and servers that are slow, malformed, flaky or absent."""
+``python -m chatrl.tools.reward_server``), and servers that are slow, malformed, flaky or absent."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from chatrl.reward_server import make_server
 from chatrl.rewards import FunctionReward, HttpReward, RewardBatch, RewardError, WeightedReward
+from chatrl.tools.reward_server import make_server
 from tests.launch import REPO
 
 ANSWERS = ["7", "It is 7.", "8", "seven", "-3", "12"]
@@ -69,7 +69,7 @@ def test_reference_server_reports_bad_requests_and_failing_rewards(reference_ser
 
 
 def test_reward_server_module_end_to_end(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "chatrl.reward_server", "--reward-fn", "exact_match",
+    proc = subprocess.Popen([sys.executable, "-m", "chatrl.tools.reward_server", "--reward-fn", "exact_match",
                              "--reward_fn", "0.5*chatrl.rewards.builtin:regex_format", "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
@@ -203,7 +203,7 @@ def test_other_4xx_fail_at_once_with_the_servers_message(scripted, status):
 
 
 def test_retry_after_header_values():
-    from chatrl.rewards.http import is_transient, retry_after_s
+    from chatrl.rewards.remote import is_transient, retry_after_s
 
     assert [is_transient(c) for c in (408, 429, 500, 503, 599, 400, 404, 413, 200)] == [True] * 5 + [False] * 4
     assert retry_after_s("0", 10) == 0 and retry_after_s("2.5", 10) == 2.5 and retry_after_s("120", 10) == 10
@@ -213,7 +213,7 @@ def test_retry_after_header_values():
 
 
 def test_no_server_is_a_clear_error():
-    from chatrl.dist import free_port
+    from chatrl.distributed.dist import free_port
 
     url = f"http://127.0.0.1:{free_port()}/"
     with pytest.raises(RewardError, match=rf"reward server {url} at step 4: failed after 1 attempt\(s\): "
@@ -223,8 +223,8 @@ def test_no_server_is_a_clear_error():
 
 def test_text_reward_model_scores_like_the_model(tiny_opt, tmp_path):
     from chatrl.data import encode_answer, encode_prompt
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
     from chatrl.rewards.model import TextRewardModel
 
     tok = load_tokenizer(str(tiny_opt))
@@ -250,9 +250,9 @@ def test_text_reward_model_scores_like_the_model(tiny_opt, tmp_path):
 @pytest.fixture(scope="module")
 def qwen2_reward_model(tmp_path_factory, shared):
     """A tiny reward model with the Qwen2 tokenizer (ChatML template) and a random head."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model, save_reward_model
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model, save_reward_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("qwen2_rm")
     make_tiny_model("qwen2", root / "lm", TinySpec(hidden=32, layers=2, heads=2, ffn=64))
@@ -288,14 +288,14 @@ def chatml_rollouts(tok):
 
 
 def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_model):
-    """A reward model behind `python -m chatrl.reward_server` gives the score the in-process model
+    """A reward model behind `python -m chatrl.tools.reward_server` gives the score the in-process model
     gives to step 3's rollouts (ChatML markers, a prompt with marker text, arbitrary ids, a cut answer);
     before, prompts lost their markers on the way and were templated anew (another text, another score)."""
-    from chatrl.models import load_tokenizer
-    from chatrl.reward_model import load_reward_model
+    from chatrl.models.causal_lm import load_tokenizer
+    from chatrl.models.reward_model import load_reward_model
     from chatrl.rewards import ModelReward, reward_batch_from_tokens
-    from chatrl.rewards.http import encode_request
     from chatrl.rewards.model import TextRewardModel
+    from chatrl.rewards.remote import encode_request
 
     rm_dir = str(qwen2_reward_model)
     tok = load_tokenizer(rm_dir, padding_side="left")
@@ -313,7 +313,7 @@ def test_served_reward_model_scores_the_in_process_conversation(qwen2_reward_mod
     texts_only = text_model(RewardBatch(batch.prompts, batch.answers, step=2, formatted_texts=batch.formatted_texts))
     assert texts_only[0].item() == pytest.approx(in_process[0].item(), abs=1e-5)  # natural text tokenizes back alike
 
-    proc = subprocess.Popen([sys.executable, "-m", "chatrl.reward_server", "--reward_model", rm_dir, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "chatrl.tools.reward_server", "--reward_model", rm_dir, "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     try:

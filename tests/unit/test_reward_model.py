@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from chatrl.models import position_ids_from_mask
-from chatrl.reward_model import (
+from chatrl.models.causal_lm import position_ids_from_mask
+from chatrl.models.reward_model import (
     MissingRewardHeadError,
     RewardModel,
     gather_end_scores,
@@ -25,7 +25,7 @@ from chatrl.reward_model import (
 @functools.cache
 def _tok(path):
     """The prepared tokenizer of ``path``, loaded once (0.5 s each); tests do not modify it."""
-    from chatrl.models import load_tokenizer
+    from chatrl.models.causal_lm import load_tokenizer
 
     return load_tokenizer(str(path))
 

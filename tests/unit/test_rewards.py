@@ -247,7 +247,7 @@ def test_score_on_all_ranks_fails_everywhere_when_one_rank_fails():
 
 
 def test_reward_batch_from_tokens_decodes_prompt_and_answer_only():
-    from chatrl.models import load_tokenizer
+    from chatrl.models.causal_lm import load_tokenizer
     from chatrl.rewards import reward_batch_from_tokens
     from tests.conftest import TOKENIZERS
 

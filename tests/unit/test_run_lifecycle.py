@@ -3,7 +3,7 @@
 * Only it writes run markers, builds checkpoint schedules or stops a run, and the non-finite test
   hook is written once (a scan of the package's source).
 * The certificate reads no field of a trainer: only its public methods (a scan of
-  ``chatrl/certificate.py`` and step 3's evidence).
+  ``chatrl/evidence/certificate.py`` and step 3's evidence).
 * Its behaviour on a fake engine and a four-example loader: the resume position, the cadence of
   logs, evaluations and checkpoints, the stop, the non-finite guard, the run marker and the
   observer's events, against step numbers derived by hand.
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from chatrl.certificate import DataAccounting, RunObserver
 from chatrl.config import CheckpointConfig, LogConfig
+from chatrl.evidence.certificate import DataAccounting, RunObserver
 from chatrl.run import Evaluation, Run, Saved, Schedule
 
 CHATRL = Path(__file__).resolve().parents[2] / "chatrl"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chatrl.config import PPOConfig
-from chatrl.reward_model import RewardModel
+from chatrl.models.reward_model import RewardModel
 from chatrl.rl.stats import PooledStats
 from chatrl.step3_ppo.trainer import Experience, Trainer, packed_answer_logp
 
@@ -241,7 +241,7 @@ def test_top_p_and_top_k_are_in_the_sampled_and_the_trained_distribution(top_k, 
     from chatrl.hybrid_engine import GenerationSettings
     from chatrl.hybrid_engine.decode import TPGroup, decode, gather_prompts
     from chatrl.logprobs import sampling_filter
-    from chatrl.models import load_causal_lm, load_tokenizer
+    from chatrl.models.causal_lm import load_causal_lm, load_tokenizer
     from chatrl.rl import core
     from tests.conftest import STORIES
 

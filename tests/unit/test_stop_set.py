@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatrl.models import load_causal_lm, load_tokenizer, stop_token_ids
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer, stop_token_ids
 from tests.conftest import STORIES, TOKENIZERS
 
 STORY_TOKENS = 342  # greedy new tokens of stories260K after "Once upon a time", its BOS stop included
@@ -42,7 +42,7 @@ def test_stop_set_is_the_union_of_turn_end_eos_and_declared_ids_never_the_pad(st
     im_end = qwen.convert_tokens_to_ids("<|im_end|>")
     assert stop_token_ids(qwen) == [im_end, qwen.eos_token_id]
     # a model that declares its pad id (and another id) as EOS: the pad is never a stop id
-    from chatrl.tiny import TinySpec, make_tiny_model
+    from chatrl.models.tiny import TinySpec, make_tiny_model
 
     m, t = make_tiny_model("llama", tmp_path / "m", TinySpec(hidden=16, layers=1, heads=2, ffn=32))
     m.generation_config.eos_token_id = [t.eos_token_id, t.pad_token_id, 7]
@@ -55,7 +55,7 @@ def test_stop_set_is_the_union_of_turn_end_eos_and_declared_ids_never_the_pad(st
 def test_exports_keep_the_declared_stop_ids_and_plain_generate_stops_there(stories, tmp_path):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from chatrl.weights import save_hf_model
+    from chatrl.distributed.weights import save_hf_model
 
     tok, model, ids = stories
     save_hf_model(model, tok, tmp_path / "export")
@@ -126,9 +126,9 @@ def test_step3_rollout_mask_penalty_and_eos_rate_use_the_declared_stop(stories, 
 
 
 def test_eos_checks_and_web_chat_use_the_declared_stop(stories):
-    from chatrl.dist import DistInfo
+    from chatrl.distributed.dist import DistInfo
     from chatrl.generation import eos_rate
-    from chatrl.web_chat import ChatModel
+    from chatrl.tools.web_chat import ChatModel
 
     tok, model, ids = stories
     info = DistInfo(0, 1, 0, torch.device("cpu"))

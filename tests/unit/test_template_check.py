@@ -1,4 +1,4 @@
-"""The chat-template checker (chatrl.data.template_check, python -m chatrl.check_template) on every
+"""The chat-template checker (chatrl.data.template_check, python -m chatrl.tools.check_template) on every
 tokenizer under ../shared and on the Jinja fixtures of tests/data/templates (Llama-3, Llama-2 and
 Phi-3 styles, ChatML with {% generation %} marks, and deliberately broken templates, each of which
 must be caught by the right check with the right message). Run with -s to see the findings tables."""
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from chatrl import check_template
 from chatrl.data.template_check import CHECKS, FAIL, NA, PASS, check_tokenizer, format_table
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
+from chatrl.tools import check_template
 from tests.conftest import SHARED
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from chatrl.pipeline import plan as planning
 from chatrl.tracking import Tracker
 
 
@@ -69,8 +70,8 @@ def test_results_line_of_each_step_and_the_pipeline_summary(tmp_path):
         folder = tmp_path / f"step{n}"
         (folder / METRICS_FILE).parent.mkdir(parents=True)
         (folder / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        runs.append(train.StepRun(n, train.STEP_NAMES[n], "", folder, [], False))
-    runs.append(train.StepRun(3, "RLHF, grpo", "", tmp_path / "nothing", [], False))
+        runs.append(planning.StepRun(n, planning.STEP_NAMES[n], "", folder, [], False))
+    runs.append(planning.StepRun(3, "RLHF, grpo", "", tmp_path / "nothing", [], False))
     assert train.results_summary(runs) == [
         "results:", "  step 1 (supervised fine-tuning): eval perplexity 44.24 → 10.81, greedy answers ending their "
         "turn 93.8%", "  step 2 (reward model): eval accuracy 0.486 → 0.569",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from chatrl.dist import free_port
+from chatrl.distributed.dist import free_port
 from tests.conftest import REPO, STORIES
 
 ARTIFACTS = Path(os.environ.get("CHATRL_TEST_ARTIFACTS", REPO / "tests" / "artifacts"))
@@ -54,7 +54,7 @@ def open_page(browser, url: str):
 
 def test_report_renders_offline_with_every_chart(browser, tmp_path):
     pytest.importorskip("plotly", reason="the report needs plotly: pip install -e '.[web]'")
-    from chatrl.report import write_report
+    from chatrl.tools.report import write_report
     from tests.unit.test_report import make_output
 
     path = write_report(make_output(tmp_path / "out"))
@@ -133,15 +133,15 @@ def test_web_chat_streams_answers_side_by_side(browser, chat_server):
 
 
 def test_inspector_renders_offline_and_recolours_tokens(browser, tmp_path):
-    """The token inspector (python -m chatrl.inspector) of two recorded runs side by side: every rollout's
+    """The token inspector (python -m chatrl.tools.inspector) of two recorded runs side by side: every rollout's
     tokens drawn, each colouring applied (the clip hits of the hand-made trace among them), no JS
     error, no network request. ``CHATRL_INSPECT_OUTPUT`` (a step-3 output with records, e.g. the
     demo's) is drawn too when given: its screenshot is ``inspector_demo.png``."""
     pytest.importorskip("plotly", reason="the inspector needs plotly: pip install -e '.[web]'")
     import torch
 
-    from chatrl.inspector import write_inspector
-    from chatrl.rollout_records import recorded_steps, write_step
+    from chatrl.evidence.rollout_records import recorded_steps, write_step
+    from chatrl.tools.inspector import write_inspector
     from tests.unit.test_certificate import _experience
 
     for run, seed in (("a", 0), ("b", 1)):
@@ -167,7 +167,7 @@ def test_inspector_renders_offline_and_recolours_tokens(browser, tmp_path):
     page.close()
     demo = os.environ.get("CHATRL_INSPECT_OUTPUT")
     if demo:
-        from chatrl.rollout_records import resolve_output
+        from chatrl.evidence.rollout_records import resolve_output
 
         page = open_page(browser, write_inspector(demo, recorded_steps(resolve_output(demo))[-1],
                                                   path=tmp_path / "demo.html").as_uri())

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatrl.models import prepare_tokenizer, vocab_size_for
+from chatrl.models.causal_lm import prepare_tokenizer, vocab_size_for
 
 FAMILIES = ("opt", "llama", "qwen2")
 
@@ -34,7 +34,7 @@ class TinySpec:
 
 def default_tokenizer_dir(family: str) -> Path:
     """The shared tokenizer each family uses by default: GPT-2 BPE for OPT/Llama, Qwen2 BPE for Qwen2."""
-    shared = Path(os.environ.get("CHATRL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+    shared = Path(os.environ.get("CHATRL_SHARED", Path(__file__).resolve().parents[3] / "shared"))
     return shared / "tokenizers" / ("qwen2" if family == "qwen2" else "gpt2")
 
 
@@ -47,7 +47,7 @@ def make_tiny_model(
 ):
     """Write a randomly initialised ``family`` model and its tokenizer to ``out_dir``.
 
-    The tokenizer gets a pad token distinct from EOS (see :func:`chatrl.models.prepare_tokenizer`)
+    The tokenizer gets a pad token distinct from EOS (see :func:`chatrl.models.causal_lm.prepare_tokenizer`)
     and the vocabulary is padded to a multiple of 8.
 
     Args:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from chatrl.dist import barrier, is_main
+from chatrl.distributed.dist import barrier, is_main
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,17 @@
 """The run report: one self-contained ``report.html`` of a chatrl output folder.
 
-    python -m chatrl.report OUTPUT_DIR          # writes OUTPUT_DIR/report.html (atomically) and prints its path
+    python -m chatrl.tools.report OUTPUT_DIR          # writes OUTPUT_DIR/report.html (atomically) and prints its path
 
 ``OUTPUT_DIR`` is ``train.py``'s ``--output-dir`` (with ``step1_actor/``, ``step2_reward/``,
 ``step3_rlhf/``) or one step's ``--output_dir``. The report reads only what the steps already
 write: ``logs/metrics.jsonl`` (every curve, train and eval; the rows of a resumed run are joined,
 with its resume points marked), ``logs/samples.jsonl`` (step 3's rollouts over time),
 ``chatrl_run.json`` (a finished step's flags and final metrics), ``certificate.json`` (the step's
-correctness certificate, :mod:`chatrl.certificate`), ``OUTPUT_DIR/logs/stepN.log`` (the command
+correctness certificate, :mod:`chatrl.evidence.certificate`), ``OUTPUT_DIR/logs/stepN.log`` (the command
 that ran a step) and ``OUTPUT_DIR/eval/eval.json`` (the evaluation's figures, :mod:`chatrl.eval`).
 On top: the verdict (step 3's score and EOS rate trends, :func:`chatrl.tracking.step_trend`, and the
 evaluation's final win rate), each step's certificate (every property with its figure, bound and pass/fail), then the
-run-health alerts (:mod:`chatrl.alerts`) with their step and figure; then per step the headline
+run-health alerts (:mod:`chatrl.evidence.alerts`) with their step and figure; then per step the headline
 figures, wall time and its split, the charts, the samples and the flags; then the evaluation: win
 rates with intervals, the KL / win-rate frontier over step 3's snapshots, and answers side by side.
 Charts are drawn with plotly, whose JavaScript is embedded once, so the
@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatrl.alerts import ALERT_PREFIX, Alert, check_rows
-from chatrl.certificate import read_certificate
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.eval import EVAL_FILE, NO_JUDGE, length_controlled_text, verdict
+from chatrl.evidence.alerts import ALERT_PREFIX, Alert, check_rows
+from chatrl.evidence.certificate import read_certificate
 from chatrl.tracking import METRICS_FILE, SAMPLES_FILE, read_metrics, step_trend
 
 REPORT_FILE = "report.html"
@@ -543,7 +543,7 @@ def build_html(output_dir: str | os.PathLike) -> tuple[str, int]:
            f"<title>chatrl run report: {_esc(Path(output_dir).resolve().name)}</title><style>{CSS}</style>"
            f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
            f"<h1>chatrl run report</h1><p class=\"sub\">{_esc(Path(output_dir).resolve())} · written {when} · "
-           f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.report {_esc(output_dir)}</code></p>"
+           f"plotly {plotly.__version__} · refresh: <code>python -m chatrl.tools.report {_esc(output_dir)}</code></p>"
            + "".join(f'<p class="verdict"><b>{_esc(line)}</b></p>' for line in verdict_lines(runs, find_eval(output_dir)))
            + f"<h2>Correctness certificate</h2>{_certificates_html(runs)}"
            f"<h2>Run-health alerts</h2>{_alerts_html(runs)}{''.join(sections)}{evaluation}</body></html>")
@@ -571,8 +571,8 @@ def report_note(output_dir: str | os.PathLike) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.report OUTPUT``: write OUTPUT/report.html from the run's logs."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.report", description=__doc__, allow_abbrev=False,
+    """``python -m chatrl.tools.report OUTPUT``: write OUTPUT/report.html from the run's logs."""
+    p = argparse.ArgumentParser(prog="python -m chatrl.tools.report", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", help="train.py's --output-dir, or one step's --output_dir")
     p.add_argument("--out", default=None, help="where to write the HTML (default: OUTPUT_DIR/report.html)")
@@ -581,9 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path = write_report(a.output_dir, a.out)
     except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.report: {e}") from None
+        raise SystemExit(f"chatrl.tools.report: {e}") from None
     except ImportError as e:
-        raise SystemExit(f"chatrl.report needs {e.name}: pip install -e \".[web]\"") from None
+        raise SystemExit(f"chatrl.tools.report needs {e.name}: pip install -e \".[web]\"") from None
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {time.time() - t0:.1f} s)")
 
 

@@ -4,7 +4,7 @@ Step code calls these functions and never branches on the backend: initialisatio
 gloo with ``DS_ACCELERATOR=cpu`` elsewhere, a one-process group when started without a launcher),
 the DeepSpeed config (from the batch sizes of :mod:`chatrl.sizes`), engine creation and
 cross-rank reductions. Gathering ZeRO-3 weights and saving HF-format checkpoints is
-:mod:`chatrl.weights`.
+:mod:`chatrl.distributed.weights`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import NoReturn
 
 import torch
 
-from chatrl import deepspeed_patches
 from chatrl.config import LoraConfig, OptimConfig, ZeroConfig
-from chatrl.models import lora_enabled, optimizer_param_groups
-from chatrl.resilience import INTERRUPTED, report_failure, skip_nonfinite_steps
+from chatrl.distributed import deepspeed_patches
+from chatrl.distributed.resilience import INTERRUPTED, report_failure, skip_nonfinite_steps
+from chatrl.models.causal_lm import lora_enabled, optimizer_param_groups
 from chatrl.sizes import BatchSizes
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def run_program(main: Callable[[], object]) -> NoReturn:
     signal 6, after all output was written, so the launcher reports a finished step as failed
     (core dump of a 2-rank ZeRO-3 probe: ``~AsyncAllgatherWork`` → ``decref`` →
     ``PyThread_exit_thread``; 3 of 6 probe runs aborted with ``shutdown()`` alone, 0 of 8 with
-    this). An exception is reported by :func:`chatrl.resilience.report_failure` and propagates
+    this). An exception is reported by :func:`chatrl.distributed.resilience.report_failure` and propagates
     (the interpreter exits non-zero as usual); Ctrl-C ends the process at once with code 130 after
     its one line.
     """
@@ -282,7 +282,7 @@ def seeded_loader(dataset, batch_size: int, collate, info: DistInfo, seed: int, 
     The loader has its own seeded generator: creating an iterator must not draw from the global
     RNG, so a resumed run sees exactly the batches and random numbers of an uninterrupted one.
     Every batch (``collate``'s dict) also holds ``sample_index`` ``(B,)``, the examples' positions in
-    ``dataset`` (the run's data accounting, :class:`chatrl.certificate.DataAccounting`); with
+    ``dataset`` (the run's data accounting, :class:`chatrl.evidence.certificate.DataAccounting`); with
     ``collate=list`` each item holds its own (:class:`chatrl.data.collate.MicroBatches` collects them).
     """
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
@@ -486,13 +486,13 @@ def trained_engine(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig,
 
     The one builder of every trained model (steps 1 and 2, DPO, step 3's actor and critic):
     parameter groups (no weight decay on biases and norms, the LoRA weights at their own rate,
-    :func:`chatrl.models.optimizer_param_groups`) → AdamW (:func:`make_optimizer`) → the schedule
+    :func:`chatrl.models.causal_lm.optimizer_param_groups`) → AdamW (:func:`make_optimizer`) → the schedule
     (``transformers.get_scheduler``: ``--lr_scheduler_type`` with ``warmup_steps`` of linear
     warm-up over ``total_steps``) → the DeepSpeed config (:func:`deepspeed_config`) →
     :func:`initialize`. A collective under ZeRO-3: every rank calls it.
 
     Args:
-        model: the model (loaded whole, LoRA applied: :func:`chatrl.trainable.load_trainable`).
+        model: the model (loaded whole, LoRA applied: :func:`chatrl.models.trainable.load_trainable`).
         optim: its optimizer block (for step 3, read with the model's prefix: ``--actor_learning_rate``).
         lora: its LoRA block (the LoRA learning rate). zero: its ZeRO block (stage, offload).
         dtype: ``fp32`` | ``bf16`` | ``fp16``.
@@ -518,7 +518,7 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     A model without an optimizer (frozen reference / reward) is wrapped for inference: ZeRO-3
     partitions it, stages 0–2 just move it to the device. With an optimizer, a step whose gradients
     are not finite is skipped at every ZeRO stage (counted in ``engine.skipped_steps``, schedule
-    held; see :mod:`chatrl.resilience`).
+    held; see :mod:`chatrl.distributed.resilience`).
     """
     import deepspeed
 

@@ -1,8 +1,8 @@
 """Exact replay of a recorded step-3 training step.
 
-    python -m chatrl.replay OUTPUT --step N [--atol X]
+    python -m chatrl.tools.replay OUTPUT --step N [--atol X]
 
-Reads the rollout record of step ``N`` (``--save_rollouts``, :mod:`chatrl.rollout_records`), builds
+Reads the rollout record of step ``N`` (``--save_rollouts``, :mod:`chatrl.evidence.rollout_records`), builds
 the run again from its recorded flags, loads the checkpoint of step ``N - 1``, trains on the recorded
 rollouts (step 3's side: ``chatrl/step3_ppo/replay.py``), and compares, in the order they are
 computed: the weight stamps of the rollouts against the checkpoint's weights, the reference
@@ -24,8 +24,8 @@ import os
 import subprocess
 import sys
 
-from chatrl.dist import free_port
-from chatrl.rollout_records import read_step, resolve_output
+from chatrl.distributed.dist import free_port
+from chatrl.evidence.rollout_records import read_step, resolve_output
 
 #: The program each rank runs (step 3's side of the replay), started by module name.
 RANK_PROGRAM = "chatrl.step3_ppo.replay"
@@ -33,7 +33,7 @@ RANK_PROGRAM = "chatrl.step3_ppo.replay"
 
 def build_parser() -> argparse.ArgumentParser:
     """The replay's flags."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.replay", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m chatrl.tools.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="step 3's --output_dir (or train.py's --output-dir), run with "
                                   "--save_rollouts")
@@ -53,7 +53,7 @@ def rank_command(output: str, step: int, atol: float, world_size: int) -> list[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.replay OUTPUT --step N [--atol X]``: exit 0 when the replay matches, 1 when not.
+    """``python -m chatrl.tools.replay OUTPUT --step N [--atol X]``: exit 0 when the replay matches, 1 when not.
 
     Raises:
         SystemExit: no such record (naming the recorded steps), a command under a launcher, or the
@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     """
     a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
-        raise SystemExit("chatrl.replay starts the record's ranks itself: run `python -m chatrl.replay` "
+        raise SystemExit("chatrl.tools.replay starts the record's ranks itself: run `python -m chatrl.tools.replay` "
                          "without a launcher")
     try:
         index, _ = read_step(resolve_output(a.output), a.step)
     except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.replay: {e}") from None
+        raise SystemExit(f"chatrl.tools.replay: {e}") from None
     raise SystemExit(subprocess.call(rank_command(a.output, a.step, a.atol, int(index["world_size"]))))
 
 

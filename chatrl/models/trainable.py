@@ -1,6 +1,6 @@
 """Loading a model to train, the same way in every step: load → LoRA → gradient checkpointing.
 
-Then :func:`chatrl.dist.trained_engine` wraps it with its optimizer and schedule. Steps 1 and DPO
+Then :func:`chatrl.distributed.dist.trained_engine` wraps it with its optimizer and schedule. Steps 1 and DPO
 train causal LMs, step 2 a reward model, step 3 both (the actor, and the critic from a reward model).
 """
 
@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 
 from chatrl.config import LoraConfig, ModelConfig
-from chatrl.models import apply_lora, enable_gradient_checkpointing, load_causal_lm
-from chatrl.reward_model import RewardModel, load_reward_model, with_lora
+from chatrl.models.causal_lm import apply_lora, enable_gradient_checkpointing, load_causal_lm
+from chatrl.models.reward_model import RewardModel, load_reward_model, with_lora
 
 KINDS = ("causal_lm", "reward")
 
@@ -29,11 +29,11 @@ def load_trainable(kind: str, tokenizer, model: ModelConfig, lora: LoraConfig, *
                    keep_copy: str | None = None) -> Trainable:
     """Load ``model.model_name_or_path`` for training.
 
-    1. load: a causal LM (:func:`chatrl.models.load_causal_lm`) or a reward model
-       (:func:`chatrl.reward_model.load_reward_model`; ``require_head``: the folder must hold a
+    1. load: a causal LM (:func:`chatrl.models.causal_lm.load_causal_lm`) or a reward model
+       (:func:`chatrl.models.reward_model.load_reward_model`; ``require_head``: the folder must hold a
        trained head, else a fresh one starts), in ``model.dtype``, with ``--dropout`` /
        ``--disable_dropout`` and ``--fp32_lm_head`` applied;
-    2. LoRA (:func:`chatrl.models.apply_lora`; for a reward model its head keeps training);
+    2. LoRA (:func:`chatrl.models.causal_lm.apply_lora`; for a reward model its head keeps training);
     3. gradient checkpointing (``--gradient_checkpointing``).
 
     Args:
@@ -47,7 +47,7 @@ def load_trainable(kind: str, tokenizer, model: ModelConfig, lora: LoraConfig, *
     Raises:
         ValueError: an unknown ``kind`` or ``keep_copy``; ``--lora_module_name`` matching nothing.
         FileNotFoundError / OSError: as the load functions (naming the path);
-        chatrl.reward_model.MissingRewardHeadError: ``require_head`` and no trained head.
+        chatrl.models.reward_model.MissingRewardHeadError: ``require_head`` and no trained head.
     """
     if kind not in KINDS:
         raise ValueError(f"load_trainable: kind must be one of {KINDS}, got {kind!r}")

@@ -3,7 +3,7 @@
 * :func:`skip_nonfinite_steps` makes an optimizer skip a step whose gradients are not finite.
   DeepSpeed's ZeRO 1–3 optimizers already do (they report it as ``optimizer.overflow`` and the
   engine counts ``engine.skipped_steps`` and leaves the learning-rate schedule alone); the plain
-  torch optimizer of ZeRO-0 does not, so :func:`chatrl.dist.initialize` installs this guard there.
+  torch optimizer of ZeRO-0 does not, so :func:`chatrl.distributed.dist.initialize` installs this guard there.
 * :class:`NonFiniteGuard` watches the engines of a step: a training step with a skipped optimizer
   step is counted, and ``max_in_a_row`` such steps in a row raise :class:`NonFiniteError` (the
   caller writes a checkpoint of the last good weights first: a skipped step changes nothing).
@@ -46,7 +46,7 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer, max_norm: float = 0.0
     ``optimizer._global_grad_norm``, where DeepSpeed's engine reads it for ``get_global_grad_norm()``
     as from its own optimizers. The clip is DeepSpeed's fp32 rule (and torch's):
     gradients × min(1, max_norm / (norm + 1e-6)), with the one norm the guard computes anyway;
-    :func:`chatrl.dist.initialize` hands ZeRO-0's clipping to it so the norm is computed once, with
+    :func:`chatrl.distributed.dist.initialize` hands ZeRO-0's clipping to it so the norm is computed once, with
     no collective. Returns the optimizer, patched in place.
     """
     inner = optimizer.step

@@ -9,7 +9,7 @@ Each property is measured on the run itself and compared with a declared bound
    or ``--logp_diff_bound``);
 2. **weight version** (step 3): every rollout carries the version and checksum of the weights that
    generated it, and the trainer checked them against its own before learning
-   (:mod:`chatrl.weight_version`; a failure stops the run at that step);
+   (:mod:`chatrl.evidence.weight_version`; a failure stops the run at that step);
 3. **data accounting**: per epoch, which examples the loss saw, how often, against the data set and
    the sampler's order: examples seen, repeated, not seen by reason, skipped by the data pipeline
    by reason (:class:`DataAccounting`); a resumed run carries the counts in its checkpoints;
@@ -18,7 +18,7 @@ Each property is measured on the run itself and compared with a declared bound
    on one rank, by the loss's definition, on a copy of the initial weights (:class:`LossScaleProbe`).
 
 :class:`Certificate` holds the properties and writes the file (rank 0, atomically); the run
-report (:mod:`chatrl.report`) shows it on top. A failed property is logged as an error naming the
+report (:mod:`chatrl.tools.report`) shows it on top. A failed property is logged as an error naming the
 property and its figure.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from chatrl.dist import all_reduce_max, all_reduce_sum, barrier, get_rank, get_world_size, is_main
+from chatrl.distributed.dist import all_reduce_max, all_reduce_sum, barrier, get_rank, get_world_size, is_main
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def agreement_property(max_gap: float | None, dtype: str, bound: float | None = 
 
 # ------------------------------------------------------------------------------- 2. weight version
 def weight_version_property(check) -> Property:
-    """Property 2 from a :class:`chatrl.weight_version.WeightVersionCheck` after the run (or its failure)."""
+    """Property 2 from a :class:`chatrl.evidence.weight_version.WeightVersionCheck` after the run (or its failure)."""
     if check.failure:
         return Property("weight_version", check.max_gap, check.max_bound, False, check.failure,
                         {"rollouts_checked": check.rollouts, "versions": check.versions})
@@ -176,7 +176,7 @@ class DataAccounting:
     """Which examples of the training set each epoch fed to the loss, against the data order.
 
     Args:
-        loader: the step's loader (:func:`chatrl.dist.seeded_loader`: batches carry ``sample_index``,
+        loader: the step's loader (:func:`chatrl.distributed.dist.seeded_loader`: batches carry ``sample_index``,
             its sampler gives this rank's order of an epoch).
         steps_per_epoch: training steps per epoch. batches_per_step: loader batches per step.
         skipped: ``{reason: rows}`` the data pipeline skipped (:class:`chatrl.data.SkipReport`).

@@ -1,10 +1,10 @@
 """The token-level inspector: what a step-3 training step learned from, one offline HTML file.
 
-    python -m chatrl.inspector OUTPUT --step N                   # writes OUTPUT/rollouts/step_N.html
-    python -m chatrl.inspector OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
+    python -m chatrl.tools.inspector OUTPUT --step N                   # writes OUTPUT/rollouts/step_N.html
+    python -m chatrl.tools.inspector OUTPUT --step N --diff OTHER      # two runs at the same step, side by side
 
 ``OUTPUT`` is step 3's ``--output_dir`` (or ``train.py``'s, whose ``step3_rlhf/`` is used), run with
-``--save_rollouts`` (:mod:`chatrl.rollout_records`). Every recorded rollout is shown as its tokens:
+``--save_rollouts`` (:mod:`chatrl.evidence.rollout_records`). Every recorded rollout is shown as its tokens:
 the prompt in grey, the answer coloured by one quantity at a time, chosen at the top: the loss mask,
 the advantage, the sampler − trainer log-prob, the importance weight, the PPO ratio and the clip hits
 of each PPO epoch, the per-token KL to the reference, the entropy, the value and the return; hovering
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from chatrl.models import load_tokenizer
-from chatrl.rollout_records import read_step, recorded_steps, resolve_output, step_dir
+from chatrl.evidence.rollout_records import read_step, recorded_steps, resolve_output, step_dir
+from chatrl.models.causal_lm import load_tokenizer
 
 #: The colourings offered (key, label, kind): ``diverging`` around ``center``, ``sequential`` from 0.
 COLOURINGS = (
@@ -292,7 +292,7 @@ def build_html(output: str | os.PathLike, step: int, other: str | os.PathLike | 
             f"<style>{CSS}</style>"
             f"<script>{plotly.offline.get_plotlyjs()}</script></head><body><h1>{html.escape(title)}</h1>"
             f"<p class=\"sub\">written {time.strftime('%Y-%m-%d %H:%M:%S')} · plotly {plotly.__version__} · "
-            f"<code>python -m chatrl.inspector {html.escape(str(output))} --step {step}"
+            f"<code>python -m chatrl.tools.inspector {html.escape(str(output))} --step {step}"
             f"{' --diff ' + html.escape(str(other)) if other else ''}</code>; hover a token for every "
             "figure</p>"
             f'<div style="display:flex;gap:12px">{"".join(_figures_table(r) for r in runs)}</div>'
@@ -320,8 +320,8 @@ def write_inspector(output: str | os.PathLike, step: int, other: str | os.PathLi
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.inspector OUTPUT --step N [--diff OTHER] [--out FILE]``."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.inspector", description=__doc__,
+    """``python -m chatrl.tools.inspector OUTPUT --step N [--diff OTHER] [--out FILE]``."""
+    p = argparse.ArgumentParser(prog="python -m chatrl.tools.inspector", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="step 3's --output_dir (or train.py's --output-dir), run with "
                                   "--save_rollouts")
@@ -335,15 +335,15 @@ def main(argv: list[str] | None = None) -> None:
     if step is None:
         have = recorded_steps(resolve_output(a.output))
         if not have:
-            raise SystemExit(f"chatrl.inspector: {a.output} holds no rollout record (run step 3 with "
+            raise SystemExit(f"chatrl.tools.inspector: {a.output} holds no rollout record (run step 3 with "
                              "--save_rollouts N)")
         step = have[-1]
     try:
         path = write_inspector(a.output, step, a.diff, a.out)
     except FileNotFoundError as e:
-        raise SystemExit(f"chatrl.inspector: {e}") from None
+        raise SystemExit(f"chatrl.tools.inspector: {e}") from None
     except ImportError as e:
-        raise SystemExit(f"chatrl.inspector needs {e.name}: pip install -e \".[web]\"") from None
+        raise SystemExit(f"chatrl.tools.inspector needs {e.name}: pip install -e \".[web]\"") from None
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

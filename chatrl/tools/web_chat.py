@@ -26,8 +26,8 @@ from pathlib import Path
 from chatrl.checkpoint import RUN_MARKER
 from chatrl.conversation import HUMAN_MARKER, StopAtMarker, prompt_ids_within
 from chatrl.data.formatting import uses_chat_template
-from chatrl.models import load_chat_lm, load_tokenizer, stop_token_ids
-from chatrl.precision import resolve_dtype
+from chatrl.models.causal_lm import load_chat_lm, load_tokenizer, stop_token_ids
+from chatrl.models.precision import resolve_dtype
 
 ROLES = ("system", "user", "assistant")
 
@@ -59,7 +59,7 @@ class ChatModel:
     (:func:`model_role`, else ``role``) shown over its column.
 
     Raises:
-        OSError / FileNotFoundError: ``path`` holds no loadable model (from transformers / chatrl.models).
+        OSError / FileNotFoundError: ``path`` holds no loadable model (from transformers / chatrl.models.causal_lm).
     """
 
     def __init__(self, path: str, device: str, trust_remote_code: bool = False, role: str = "model",

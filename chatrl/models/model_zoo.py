@@ -5,7 +5,7 @@ a hub name, a short name, a ``.gguf`` file or the name of a packaged model. :fun
 into what transformers loads:
 
 - a short name (``opt-1.3b``) → its hub name (``facebook/opt-1.3b``);
-- a packaged model (``smollm2-135m-instruct``) → the plain HF folder that ``python -m chatrl.model_zoo
+- a packaged model (``smollm2-135m-instruct``) → the plain HF folder that ``python -m chatrl.models.model_zoo
   smollm2-135m-instruct`` made from a registry package (:data:`PACKAGED`);
 - a ``.gguf`` file → an HF folder converted from it once, kept in the cache (:func:`convert_gguf`).
 
@@ -115,7 +115,7 @@ def resolve(name: str) -> str:
     if key in PACKAGED:
         folder = model_dir(key)
         if not is_converted(folder):
-            raise UsageError(f"model {name}: not fetched yet; run `python -m chatrl.model_zoo {key}` (or "
+            raise UsageError(f"model {name}: not fetched yet; run `python -m chatrl.models.model_zoo {key}` (or "
                              f"scripts/setup.sh --model {key}) once: it downloads {PACKAGED[key].package}=="
                              f"{PACKAGED[key].version} and converts it to {folder}")
         return str(folder)
@@ -334,9 +334,9 @@ def fetch(name: str, wheel: str | None = None, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chatrl.model_zoo NAME|FILE.gguf``: fetch and convert a packaged model, or convert a GGUF
+    """``python -m chatrl.models.model_zoo NAME|FILE.gguf``: fetch and convert a packaged model, or convert a GGUF
     file; prints the folder and the conversion's check."""
-    p = argparse.ArgumentParser(prog="python -m chatrl.model_zoo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m chatrl.models.model_zoo", description=__doc__.split("\n\n")[0],
                                 epilog=f"packaged models: {', '.join(sorted(PACKAGED))}; folder: $CHATRL_HOME "
                                        "(default ~/.cache/chatrl)/models/NAME")
     p.add_argument("model", help="a packaged model's name, or a .gguf file to convert")
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             if done:
                 print(f"{a.model}: already converted and checked", flush=True)
     except UsageError as err:
-        raise SystemExit(f"chatrl.model_zoo: {err}") from None
+        raise SystemExit(f"chatrl.models.model_zoo: {err}") from None
     report = json.loads((folder / CONVERSION_FILE).read_text(encoding="utf-8"))
     print(f"{folder}: {report['architecture']}, {report['parameters'] / 1e6:.1f}M parameters, tied embeddings "
           f"{report['tied_embeddings']}; logits equal to the GGUF file's on a {report['prompt_tokens']}-token prompt "

@@ -1,11 +1,11 @@
-"""A small reference reward server: ``python -m chatrl.reward_server``.
+"""A small reference reward server: ``python -m chatrl.tools.reward_server``.
 
 Serves any chatrl reward (a Python function, a built-in rule, a trained reward model, or a
-weighted sum of them) over the JSON protocol of :mod:`chatrl.rewards.http` (``docs/rewards.md``),
+weighted sum of them) over the JSON protocol of :mod:`chatrl.rewards.remote` (``docs/rewards.md``),
 so rewards can run on another machine than training::
 
-    python -m chatrl.reward_server --reward_fn exact_match --port 8000
-    python -m chatrl.reward_server --reward_model out/step2 --reward_fn 0.2*regex_format
+    python -m chatrl.tools.reward_server --reward_fn exact_match --port 8000
+    python -m chatrl.tools.reward_server --reward_model out/step2 --reward_fn 0.2*regex_format
 
 then train with ``--reward_url http://that-host:8000/``. Requests are served one at a time (a
 model is not shared between threads); the first line printed is ``serving on http://HOST:PORT/``
@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from chatrl import config
 from chatrl.cli import normalize_argv
-from chatrl.precision import DTYPE_CHOICES
+from chatrl.models.precision import DTYPE_CHOICES
 from chatrl.rewards import RewardContext, WeightedReward, decode_request, kinds
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def make_server(reward: WeightedReward, host: str = "127.0.0.1", port: int = 0) 
 
 def build_parser() -> argparse.ArgumentParser:
     """The reward server's flags."""
-    p = config.new_parser("serve a chatrl reward over HTTP (docs/rewards.md)", prog="python -m chatrl.reward_server")
+    p = config.new_parser("serve a chatrl reward over HTTP (docs/rewards.md)", prog="python -m chatrl.tools.reward_server")
     p.add_argument("--reward_fn", action="append", default=[],
                    help="[WEIGHT*]module:function, path/to/file.py:function or a built-in (exact_match, "
                         "regex_format); repeat to add several")
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
 
-    """``python -m chatrl.reward_server``: serve the weighted reward on a local port until interrupted."""
+    """``python -m chatrl.tools.reward_server``: serve the weighted reward on a local port until interrupted."""
     parser = build_parser()
     args = parser.parse_args(normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     if not args.reward_fn and not args.reward_model:

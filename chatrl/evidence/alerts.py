@@ -4,7 +4,7 @@ Every rule reads only the rows that :class:`chatrl.tracking.Tracker` already wri
 the training loop). :class:`AlertMonitor` is fed one row at a time; a rule fires at most once per
 run, at the first step where its condition holds. The Tracker prints each alert once on rank 0
 and logs its figure as the metric ``alert/<rule>`` in the same row; the run report
-(:mod:`chatrl.report`) replays the same rules over the whole log and lists them at the top.
+(:mod:`chatrl.tools.report`) replays the same rules over the whole log and lists them at the top.
 
 The rules and their thresholds are documented in ``docs/report.md`` (keep the two in step):
 

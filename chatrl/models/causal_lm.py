@@ -16,8 +16,8 @@ import torch
 from chatrl.config import LoraConfig, PackingConfig
 from chatrl.errors import UsageError
 from chatrl.logprobs import IGNORE_INDEX
+from chatrl.models.precision import attention_kwargs, compute_in_fp32
 from chatrl.packing import BLOCK_MASK, PackedRows, attention_style, block_diagonal_mask
-from chatrl.precision import attention_kwargs, compute_in_fp32
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def fit_embeddings(model, tokenizer) -> None:
 
 def load_chat_lm(path: str, dtype: str, device, trust_remote_code: bool = False, tokenizer=None):
     """A saved causal LM for generation, as the chats load it: weights in ``dtype``, the attention the
-    trainer used on ``device``'s type (:func:`chatrl.precision.attention_kwargs`: fp32 on CPU for bf16),
+    trainer used on ``device``'s type (:func:`chatrl.models.precision.attention_kwargs`: fp32 on CPU for bf16),
     moved to ``device``, in eval mode.
 
     Args:
@@ -216,7 +216,7 @@ def load_causal_lm(
         dropout: if given, overrides every ``*dropout`` field of the config (``0.0`` turns it off).
         trust_remote_code: passed to transformers; off unless the user asks.
         fp32_lm_head: compute the LM head in float32 whatever ``dtype`` (``--fp32_lm_head``,
-            :func:`chatrl.precision.compute_in_fp32`): the logits are then float32.
+            :func:`chatrl.models.precision.compute_in_fp32`): the logits are then float32.
 
     Raises:
         FileNotFoundError: ``path`` is neither a local folder nor reachable on the hub (names it).

@@ -1,9 +1,9 @@
 """DeepSpeed workarounds, in one place: what chatrl changes in DeepSpeed's behaviour, and why.
 
 Each one fixes a measured problem of DeepSpeed 0.19 on this project's machines (the docstrings give
-the figures) and is applied once at start-up by :func:`chatrl.dist.init_distributed`
+the figures) and is applied once at start-up by :func:`chatrl.distributed.dist.init_distributed`
 (:func:`before_process_group`, :func:`after_process_group`), or at engine creation by
-:func:`chatrl.dist.initialize` (the sparse embedding gradients, the kept all-reduce buffer):
+:func:`chatrl.distributed.dist.initialize` (the sparse embedding gradients, the kept all-reduce buffer):
 
 * :func:`stale_build_locks`: a killed JIT build leaves a lock every later DeepSpeed process waits on;
 * :func:`skip_deepspeed_shm_op`: DeepSpeed's CPU shared-memory op leaks 66 MiB of ``/dev/shm`` per
@@ -115,7 +115,7 @@ def stub_deepspeed_muon() -> None:
     optimizer's set-up), and ZeRO-2 imports ``...original_muon`` at every gradient reduction,
     calling its ``muon_update`` only for Muon parameter groups. Importing either runs
     ``torch.compile`` on Muon's kernels: 2-5 s per rank on this machine after an optimizer exists
-    (loaded; ``docs/performance.md``), for an optimizer chatrl never builds (:func:`chatrl.dist.make_optimizer`
+    (loaded; ``docs/performance.md``), for an optimizer chatrl never builds (:func:`chatrl.distributed.dist.make_optimizer`
     builds AdamW, and chatrl's DeepSpeed configs name no optimizer). In the placeholders every name
     is :class:`NoDeepSpeedMuon`, so each check answers "no Muon", as with the real modules, and a
     Muon code path that did run would fail loudly. Modules already imported (a user's own code)
@@ -126,7 +126,7 @@ def stub_deepspeed_muon() -> None:
 
     for name in DEEPSPEED_MUON:
         if name not in sys.modules:
-            stub = types.ModuleType(name, "chatrl's placeholder for a DeepSpeed Muon module (chatrl.deepspeed_patches)")
+            stub = types.ModuleType(name, "chatrl's placeholder for a DeepSpeed Muon module (chatrl.distributed.deepspeed_patches)")
             stub.__getattr__ = _muon_placeholder
             sys.modules[name] = stub
 
@@ -218,7 +218,7 @@ def undeprecated_all_gather() -> bool:
 
 def sparse_embedding_grads(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Switch the model's word-embedding tables to sparse gradients where that is exact and cheaper;
-    returns their weights. Called by :func:`chatrl.dist.initialize` for fp32 ZeRO-0 engines with an optimizer.
+    returns their weights. Called by :func:`chatrl.distributed.dist.initialize` for fp32 ZeRO-0 engines with an optimizer.
 
     A batch touches a few hundred rows of a word-embedding table (50k rows for GPT-2's
     vocabulary), yet a dense gradient is the whole table: zeroed, filled, flattened into DeepSpeed's

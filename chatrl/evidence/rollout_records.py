@@ -9,7 +9,7 @@ Every N-th step writes ``OUTPUT_DIR/rollouts/step_NNNNNN/``:
   when the algorithm has them ``values``, ``returns``, ``rewards`` (per-token), ``is_weights``;
   ``(E, B, A)`` per PPO epoch: ``ratio`` and ``clip`` (int8: -1 lower clip, +1 upper clip);
   ``(B,)``: ``scores``, ``reward/<source>`` (each reward part, unweighted), ``weight_version``
-  (int64) and ``weight_checksum`` (float64, :mod:`chatrl.weight_version`);
+  (int64) and ``weight_checksum`` (float64, :mod:`chatrl.evidence.weight_version`);
 * ``rankR.json``: ``prompt_len`` and each rollout's metadata;
 * ``index.json`` (rank 0): the step, the ranks, the run's flags (``args``), the tokenizer's folder,
   and the step's figures: ``actor_loss``, ``critic_loss`` (the logged means), the gradient norm of
@@ -17,8 +17,8 @@ Every N-th step writes ``OUTPUT_DIR/rollouts/step_NNNNNN/``:
   logged metrics.
 
 :func:`write_step` writes (every rank its own file; ``index.json`` last, so a folder with it is
-complete), :func:`read_step` reads back; ``python -m chatrl.inspector`` draws them and
-``python -m chatrl.replay`` trains on them again, comparing what it computes with what was recorded
+complete), :func:`read_step` reads back; ``python -m chatrl.tools.inspector`` draws them and
+``python -m chatrl.tools.replay`` trains on them again, comparing what it computes with what was recorded
 (:func:`compare_rank`, :func:`compare_figures`).
 """
 

@@ -36,7 +36,8 @@ from chatrl.config import LoraConfig
 from chatrl.data.examples import left_cut
 from chatrl.data.formatting import encode_examples
 from chatrl.data.schema import HUMAN, parse_transcript
-from chatrl.models import (
+from chatrl.distributed.weights import save_hf_model
+from chatrl.models.causal_lm import (
     apply_lora,
     base_model,
     fit_embeddings,
@@ -44,9 +45,8 @@ from chatrl.models import (
     lora_enabled,
     torch_dtype,
 )
+from chatrl.models.precision import attention_kwargs, compute_in_fp32
 from chatrl.packing import PackedRows
-from chatrl.precision import attention_kwargs, compute_in_fp32
-from chatrl.weights import save_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class RewardModel(nn.Module):
 
         Returns:
             :class:`RewardOutput` ``(values (B, T), end_scores (B,))`` in float32 whatever the
-            backbone's dtype (the head runs in float32: :func:`chatrl.precision.compute_in_fp32`);
+            backbone's dtype (the head runs in float32: :func:`chatrl.models.precision.compute_in_fp32`);
             ``values`` is 0 at pad positions. With ``packed``: ``values (R, W)`` (0 on the rows'
             trailing pads) and ``end_scores (N,)``, one per packed sequence in its order, each
             equal to the sequence's padded end score.
@@ -293,7 +293,7 @@ def load_reward_model(
     * ``require_head=True`` (step 3's critic and reward): the checkpoint must hold a trained head;
       anything else raises instead of silently starting from a random head.
 
-    The tokenizer (passed through :func:`chatrl.models.prepare_tokenizer`) fixes the embedding size
+    The tokenizer (passed through :func:`chatrl.models.causal_lm.prepare_tokenizer`) fixes the embedding size
     and ``config.pad_token_id`` (a pad distinct from EOS, so HF's own pad-based pooling agrees with
     ours on saved folders).
 
@@ -354,7 +354,7 @@ def save_reward_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike) -
 
 
 def with_lora(reward: RewardModel, lora: LoraConfig) -> RewardModel:
-    """Wrap ``reward``'s backbone with LoRA adapters (:func:`chatrl.models.apply_lora`); the head keeps training.
+    """Wrap ``reward``'s backbone with LoRA adapters (:func:`chatrl.models.causal_lm.apply_lora`); the head keeps training.
 
     DeepSpeed-Chat's ``--only_optimize_lora`` freezes everything but the adapters, the value head
     included, which leaves a reward model with a random head. Here the ``score`` head always stays

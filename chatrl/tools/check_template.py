@@ -1,4 +1,4 @@
-"""``python -m chatrl.check_template MODEL_OR_TOKENIZER [--conversations FILE]``: the chat-template
+"""``python -m chatrl.tools.check_template MODEL_OR_TOKENIZER [--conversations FILE]``: the chat-template
 checker (:mod:`chatrl.data.template_check`, ``docs/multi_turn.md``).
 
 Renders multi-turn conversations (system and tool turns where the template supports them) through
@@ -27,7 +27,7 @@ from chatrl.config import REQUIRED, setting
 from chatrl.data.formatting import check_messages
 from chatrl.data.template_check import check_tokenizer, failures, format_table
 from chatrl.errors import UsageError
-from chatrl.models import load_tokenizer
+from chatrl.models.causal_lm import load_tokenizer
 
 
 @dataclass
@@ -43,7 +43,7 @@ class CheckTemplateConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """The checker's flags (the model is positional)."""
-    p = config.new_parser(__doc__.split("\n\n")[0], prog="python -m chatrl.check_template")
+    p = config.new_parser(__doc__.split("\n\n")[0], prog="python -m chatrl.tools.check_template")
     p.add_argument("model_name_or_path", help=CheckTemplateConfig.__dataclass_fields__["model_name_or_path"]
                    .metadata["help"])
     config.add_block(p, CheckTemplateConfig, exclude=("model_name_or_path",))

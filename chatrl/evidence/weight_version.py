@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl.dist import get_rank
-from chatrl.models import base_model
+from chatrl.distributed.dist import get_rank
+from chatrl.models.causal_lm import base_model
 
 #: Linear layers sampled, and elements per layer.
 SAMPLE_LAYERS = 16
