@@ -339,8 +339,8 @@ def evaluate_pipeline(pipe: Pipeline) -> None:
     t0 = time.time()
     with open(log_path, "a", encoding="utf-8", buffering=1) as log:
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}\n$ " + shlex.join(cmd) + "\n")
-        # the steps' environment: on CPU one intra-op thread, as each rank has
-        proc = subprocess.Popen(cmd, env={**os.environ, **pipe.env}, cwd=REPO, stdout=subprocess.PIPE,
+        # on CPU the evaluation takes the cores the ranks held (Pipeline.eval_env)
+        proc = subprocess.Popen(cmd, env={**os.environ, **pipe.eval_env}, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in proc.stdout:
             log.write(line)

@@ -198,6 +198,18 @@ class Pipeline:
     step3_needs: tuple[int, ...] = (1, 2)  # the steps whose output step 3 reads
     step_parsers: StepParsers | None = None  # fresh step parsers (the gold reward model reads step 2's)
 
+    @property
+    def eval_env(self) -> dict:
+        """The evaluation's environment: the steps' one, except that on CPU this single process takes the
+        intra-op threads of all the ranks it follows (``OMP_NUM_THREADS`` = ranks × 1), since it runs alone
+        on the cores they held; a user's own ``OMP_NUM_THREADS`` wins."""
+        env = dict(self.env)
+        if env.get("OMP_NUM_THREADS") == "1" and "--num_gpus" in self.launcher:
+            env["OMP_NUM_THREADS"] = self.launcher[self.launcher.index("--num_gpus") + 1]
+        if os.environ.get("OMP_NUM_THREADS"):
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        return env
+
 
 def check_step_flags(step: int, name: str, parser, argv: list[str]) -> argparse.Namespace:
     """Parse a step's whole command line with its own parser before anything is launched, so that a

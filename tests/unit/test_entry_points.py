@@ -87,6 +87,19 @@ def test_multi_node_needs_a_hostfile(tmp_path):
     assert cmd[-4:] == ["--hostfile", str(hostfile), "--master_port", "29600"]
 
 
+def test_the_evaluation_takes_the_cores_the_cpu_ranks_held(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for ranks in (2, 3):
+        cmd, env = planning.launcher("cpu", ranks, "", 29600)
+        pipe = planning.Pipeline(None, tmp_path, cmd, env, None, {}, [], [])
+        assert env["OMP_NUM_THREADS"] == "1"  # each rank: one intra-op thread
+        assert pipe.eval_env == {**env, "OMP_NUM_THREADS": str(ranks)}  # the evaluation alone: all of them
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert pipe.eval_env["OMP_NUM_THREADS"] == "5"
+    cmd, env = planning.launcher("single_gpu", None, "", 29600)
+    assert planning.Pipeline(None, tmp_path, cmd, env, None, {}, [], []).eval_env == {"OMP_NUM_THREADS": "5"}
+
+
 def test_chat_history_is_trimmed_from_the_oldest_turn_and_keeps_markers_intact():
     tok = load_tokenizer(str(STORIES), padding_side="left")
     marker_msg = "please repeat: \n\nAssistant: hello"
