@@ -196,7 +196,8 @@ def step3_runner(a, tok, items, packed: bool):
     from chatrl.models import load_causal_lm
     from chatrl.reward_model import load_reward_model
     from chatrl.rl.stats import PooledStats
-    from chatrl.step3_ppo.trainer import Trainer
+    from chatrl.step3_ppo.engine import RLHFEngines
+    from chatrl.step3_ppo.trainer import OptimizerStep, Trainer
 
     per_buffer = 2 * a.batch  # two micro-batches: one optimizer step
     buffers = [rollouts(a, tok, items[i:i + per_buffer]) for i in range(0, len(items), per_buffer)]
@@ -204,9 +205,9 @@ def step3_runner(a, tok, items, packed: bool):
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
     torch.manual_seed(0)
     critic = load_reward_model(a.model_dir, tok, require_head=False)
-    trainer = Trainer(LocalEngine(actor, 2), reference, LocalEngine(critic, 2), None, None, SimpleNamespace(value=0.1),
-                      PPOConfig(per_device_training_batch_size=a.batch), tok, gradient_accumulation_steps=2,
-                      answer_len=a.answer_len, packing=PackingConfig(packing=packed))
+    trainer = Trainer(RLHFEngines(LocalEngine(actor, 2), reference, LocalEngine(critic, 2)), None, None,
+                      SimpleNamespace(value=0.1), PPOConfig(per_device_training_batch_size=a.batch), tok,
+                      step=OptimizerStep(2, answer_len=a.answer_len), packing=PackingConfig(packing=packed))
 
     def run(i):
         t0 = time.perf_counter()

@@ -43,7 +43,7 @@ from typing import Any
 
 from chatrl import precision
 from chatrl.errors import UsageError
-from chatrl.rl import algorithms
+from chatrl.rl import algorithms, core
 from chatrl.rl.loss import (
     KL_LOSS_ESTIMATORS,
     KL_PLACEMENTS,
@@ -239,6 +239,13 @@ class SamplingConfig:
     top_k: int = setting(0, "sample among the k most likely tokens (0: off)", unit="tokens")
     top_p: float = setting(1.0, "nucleus sampling mass (1: off)", unit="probability")
 
+    @property
+    def scored(self) -> tuple[float, int, float]:
+        """``(temperature, top_k, top_p)`` of the distribution the answers are drawn from, as a forward
+        pass scores their log-probs: these settings, except greedy decoding (``--temperature 0``),
+        scored at ``T = 1`` without filters (``docs/critic_free.md``, "Temperature, top-k and top-p")."""
+        return (self.temperature, self.top_k, self.top_p) if self.temperature > 0 else (1.0, 0, 1.0)
+
 
 @dataclass
 class RolloutConfig:
@@ -349,6 +356,14 @@ class PPOConfig:
     def loss_aggregation(self) -> str:
         """``--loss_agg_mode``, or the algorithm's default when unset."""
         return self.loss_agg_mode or self.algorithm.loss_agg_mode
+
+    def kl_controller(self, horizon: float) -> core.FixedKLController | core.AdaptiveKLController:
+        """The KL coefficient's controller (``--kl_ctl``), starting at ``--init_kl_coef``: adaptive
+        (Ziegler et al. 2019), steering toward ``--kl_target`` over ``horizon`` rollouts (the planned
+        :attr:`chatrl.sizes.PPOPlan.kl_horizon`), or fixed."""
+        if self.kl_ctl == "adaptive":
+            return core.AdaptiveKLController(self.init_kl_coef, self.kl_target, horizon)
+        return core.FixedKLController(self.init_kl_coef)
 
     @property
     def clip_bounds(self) -> tuple[float, float]:

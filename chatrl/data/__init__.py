@@ -8,7 +8,7 @@ Typical use in a step::
 
 from chatrl.data.collate import PairCollator, PromptCollator, SFTCollator
 from chatrl.data.formatting import encode_answer, encode_example, encode_prompt, format_answer, format_prompt
-from chatrl.data.pipeline import PhaseData, build_phase_data, phase_data
+from chatrl.data.pipeline import PhaseData, build_phase_data, phase_data, prompt_batches, ptx_batches
 from chatrl.data.report import SkipReport
 from chatrl.data.schema import Sample
 from chatrl.data.sources import load_samples
@@ -30,4 +30,6 @@ __all__ = [
     "load_samples",
     "parse_data_split",
     "phase_data",
+    "prompt_batches",
+    "ptx_batches",
 ]

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from chatrl import dist
-from chatrl.config import DataConfig
+from chatrl.checkpoint import Cycle
+from chatrl.config import DataConfig, RolloutConfig
 from chatrl.data.cache import Columns, cache_key, load_or_build, to_hf_dataset, tokenizer_fingerprint
+from chatrl.data.collate import PromptCollator, SFTCollator
 from chatrl.data.examples import PHASE_COLUMNS, tokenize_samples
 from chatrl.data.formatting import FORMAT_VERSION
 from chatrl.data.report import SkipReport
@@ -218,3 +220,29 @@ def phase_data(phase: int, data: DataConfig, tokenizer, seed: int, *, data_paths
                   eval_data_paths=data.eval_data_path, seed=seed, cache_dir=data.data_output_path)
     kwargs.update(overrides)
     return build_phase_data(phase, data_paths or data.data_path, tokenizer, **kwargs)
+
+
+def prompt_batches(data: DataConfig, rollout: RolloutConfig, tokenizer, info: dist.DistInfo,
+                   seed: int) -> tuple[PhaseData, torch.utils.data.DataLoader]:
+    """Step 3's prompts (phase 3 of ``--data_path``, each cut from the left to ``--max_prompt_seq_len``)
+    and this rank's seeded loader of them, ``--per_device_generation_batch_size`` prompts per batch
+    with their metadata and messages (:class:`chatrl.data.collate.PromptCollator`), the last partial
+    batch dropped. Returns ``(the phase data, the loader)``."""
+    prompts = phase_data(3, data, tokenizer, seed, max_prompt_len=rollout.max_prompt_seq_len)
+    loader = dist.seeded_loader(prompts.train, rollout.per_device_generation_batch_size,
+                                PromptCollator(tokenizer.pad_token_id, with_metadata=True), info, seed, drop_last=True)
+    return prompts, loader
+
+
+def ptx_batches(data: DataConfig, tokenizer, info: dist.DistInfo, seed: int, batch_size: int,
+                max_seq_len: int) -> Cycle | None:
+    """Step 3's PTX text (``--unsupervised_dataset_name``, step-1 style data, all of it trained, cut
+    to ``max_seq_len`` tokens) as endless batches of ``batch_size`` on this rank's device, or None
+    without it."""
+    if not data.unsupervised_dataset_name:
+        return None
+    unsup = phase_data(1, data, tokenizer, seed, data_paths=data.unsupervised_dataset_name, data_split="10,0,0",
+                       max_seq_len=max_seq_len, eval_fraction=0.05, eval_data_paths=None)
+    loader = dist.seeded_loader(unsup.train, batch_size, SFTCollator(tokenizer.pad_token_id, mask_prompt=False), info,
+                                seed, drop_last=True, shuffle=True)
+    return Cycle(loader, info.device)
