@@ -243,7 +243,7 @@ def worker(a) -> None:
     import torch
     import transformers
 
-    from chatrl.data import phase_data
+    from chatrl.data import build_phase_data
     from chatrl.models import load_tokenizer
 
     transformers.logging.set_verbosity_error()
@@ -252,17 +252,17 @@ def worker(a) -> None:
     n_steps = a.warmup + a.steps
     modes = (a.only,) if a.only else ("padded", "packed")
     if a.worker == "step1":
-        data = phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, 1234)
+        data = build_phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, seed=1234)
         items = ordered(data.train, n_steps * a.batch)
         runners = {m: step1_runner(a, tok, items, m == "packed") for m in modes}
     elif a.worker == "step3":
-        data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
+        data = build_phase_data(2, data_config([HB], "0,10,0", a), tok, seed=1234)
         items = ordered(data.train, n_steps * 2 * a.batch)
         runners = {m: step3_runner(a, tok, items, m == "packed") for m in modes}
     else:
         from chatrl.step2_dpo.batch import IndexedPairs
 
-        data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
+        data = build_phase_data(2, data_config([HB], "0,10,0", a), tok, seed=1234)
         items = ordered(IndexedPairs(data.train), n_steps * a.batch)
         runners = {m: pairs_runner(a, tok, items, m == "packed", a.worker == "dpo") for m in modes}
     if a.only:  # memory alone: this set-up's own process, its peak above what the set-up left resident

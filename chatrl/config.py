@@ -149,6 +149,13 @@ class DataConfig:
     unsupervised_dataset_name: list | None = setting(None, "step 3: text for the PTX loss (step-1 style data); "
                                                            "unset: no PTX loss", nargs="*", type=str, path="data")
 
+    def ptx_text(self, max_seq_len: int) -> DataConfig:
+        """The data block of step 3's PTX text (``--unsupervised_dataset_name``): all of it phase 1's
+        (``data_split`` 10,0,0), cut to ``max_seq_len`` tokens, 5% held out, in this block's cache."""
+        return DataConfig(data_path=self.unsupervised_dataset_name, data_split="10,0,0",
+                          data_output_path=self.data_output_path, eval_data_path=None, eval_fraction=0.05,
+                          max_seq_len=max_seq_len)
+
 
 @dataclass
 class TemplateCheckConfig:
