@@ -40,6 +40,7 @@ def answer_token_logps(model, batch) -> torch.Tensor:
 
 @torch.no_grad()
 def probe(path: str, args) -> tuple[dict, dict]:
+    from chatrl.config import DataConfig
     from chatrl.data import build_phase_data
     from chatrl.models.causal_lm import end_of_turn_token_id, load_causal_lm, load_tokenizer
     from chatrl.step1_sft.main import eos_rate
@@ -48,8 +49,9 @@ def probe(path: str, args) -> tuple[dict, dict]:
 
     tok = load_tokenizer(path)
     model = load_causal_lm(path, tok, dtype="fp32").eval()
-    data = build_phase_data(2, args.data_path, tok, data_split=args.data_split, max_seq_len=args.max_seq_len,
-                            eval_fraction=args.eval_fraction, seed=args.seed, cache_dir=args.data_output_path)
+    data = build_phase_data(2, DataConfig(args.data_path, data_split=args.data_split,
+                                          max_seq_len=args.max_seq_len, eval_fraction=args.eval_fraction,
+                                          data_output_path=args.data_output_path), tok, seed=args.seed)
     pairs = data.eval
     collate = DPOCollator(tok.pad_token_id, padding_side="right")
     sums = {k: 0.0 for k in ("eos_c", "eos_r", "tok_c", "tok_r", "n_tok_c", "n_tok_r", "lp_c", "lp_r",

@@ -196,7 +196,8 @@ def step3_runner(a, tok, items, packed: bool):
     from chatrl.models.causal_lm import load_causal_lm
     from chatrl.models.reward_model import load_reward_model
     from chatrl.rl.stats import PooledStats
-    from chatrl.step3_ppo.trainer import Trainer
+    from chatrl.step3_ppo.engine import RLHFEngines
+    from chatrl.step3_ppo.trainer import OptimizerStep, Trainer
 
     per_buffer = 2 * a.batch  # two micro-batches: one optimizer step
     buffers = [rollouts(a, tok, items[i:i + per_buffer]) for i in range(0, len(items), per_buffer)]
@@ -204,9 +205,9 @@ def step3_runner(a, tok, items, packed: bool):
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
     torch.manual_seed(0)
     critic = load_reward_model(a.model_dir, tok, require_head=False)
-    trainer = Trainer(LocalEngine(actor, 2), reference, LocalEngine(critic, 2), None, None, SimpleNamespace(value=0.1),
-                      PPOConfig(per_device_training_batch_size=a.batch), tok, gradient_accumulation_steps=2,
-                      answer_len=a.answer_len, packing=PackingConfig(packing=packed))
+    trainer = Trainer(RLHFEngines(LocalEngine(actor, 2), reference, LocalEngine(critic, 2)), None, None,
+                      SimpleNamespace(value=0.1), PPOConfig(per_device_training_batch_size=a.batch), tok,
+                      step=OptimizerStep(2, answer_len=a.answer_len), packing=PackingConfig(packing=packed))
 
     def run(i):
         t0 = time.perf_counter()
@@ -242,7 +243,7 @@ def worker(a) -> None:
     import torch
     import transformers
 
-    from chatrl.data import phase_data
+    from chatrl.data import build_phase_data
     from chatrl.models.causal_lm import load_tokenizer
 
     transformers.logging.set_verbosity_error()
@@ -251,17 +252,17 @@ def worker(a) -> None:
     n_steps = a.warmup + a.steps
     modes = (a.only,) if a.only else ("padded", "packed")
     if a.worker == "step1":
-        data = phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, 1234)
+        data = build_phase_data(1, data_config([HB, ALPACA], "10,0,0", a), tok, seed=1234)
         items = ordered(data.train, n_steps * a.batch)
         runners = {m: step1_runner(a, tok, items, m == "packed") for m in modes}
     elif a.worker == "step3":
-        data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
+        data = build_phase_data(2, data_config([HB], "0,10,0", a), tok, seed=1234)
         items = ordered(data.train, n_steps * 2 * a.batch)
         runners = {m: step3_runner(a, tok, items, m == "packed") for m in modes}
     else:
         from chatrl.step2_dpo.batch import IndexedPairs
 
-        data = phase_data(2, data_config([HB], "0,10,0", a), tok, 1234)
+        data = build_phase_data(2, data_config([HB], "0,10,0", a), tok, seed=1234)
         items = ordered(IndexedPairs(data.train), n_steps * a.batch)
         runners = {m: pairs_runner(a, tok, items, m == "packed", a.worker == "dpo") for m in modes}
     if a.only:  # memory alone: this set-up's own process, its peak above what the set-up left resident

@@ -43,7 +43,7 @@ from typing import Any
 
 from chatrl.errors import UsageError
 from chatrl.models import precision
-from chatrl.rl import algorithms
+from chatrl.rl import algorithms, core
 from chatrl.rl.loss import (
     KL_LOSS_ESTIMATORS,
     KL_PLACEMENTS,
@@ -149,6 +149,13 @@ class DataConfig:
     unsupervised_dataset_name: list | None = setting(None, "step 3: text for the PTX loss (step-1 style data); "
                                                            "unset: no PTX loss", nargs="*", type=str, path="data")
 
+    def ptx_text(self, max_seq_len: int) -> DataConfig:
+        """The data block of step 3's PTX text (``--unsupervised_dataset_name``): all of it phase 1's
+        (``data_split`` 10,0,0), cut to ``max_seq_len`` tokens, 5% held out, in this block's cache."""
+        return DataConfig(data_path=self.unsupervised_dataset_name, data_split="10,0,0",
+                          data_output_path=self.data_output_path, eval_data_path=None, eval_fraction=0.05,
+                          max_seq_len=max_seq_len)
+
 
 @dataclass
 class TemplateCheckConfig:
@@ -238,6 +245,13 @@ class SamplingConfig:
     temperature: float = setting(1.0, "sampling temperature (0: greedy decoding)")
     top_k: int = setting(0, "sample among the k most likely tokens (0: off)", unit="tokens")
     top_p: float = setting(1.0, "nucleus sampling mass (1: off)", unit="probability")
+
+    @property
+    def scored(self) -> tuple[float, int, float]:
+        """``(temperature, top_k, top_p)`` of the distribution the answers are drawn from, as a forward
+        pass scores their log-probs: these settings, except greedy decoding (``--temperature 0``),
+        scored at ``T = 1`` without filters (``docs/critic_free.md``, "Temperature, top-k and top-p")."""
+        return (self.temperature, self.top_k, self.top_p) if self.temperature > 0 else (1.0, 0, 1.0)
 
 
 @dataclass
@@ -349,6 +363,14 @@ class PPOConfig:
     def loss_aggregation(self) -> str:
         """``--loss_agg_mode``, or the algorithm's default when unset."""
         return self.loss_agg_mode or self.algorithm.loss_agg_mode
+
+    def kl_controller(self, horizon: float) -> core.FixedKLController | core.AdaptiveKLController:
+        """The KL coefficient's controller (``--kl_ctl``), starting at ``--init_kl_coef``: adaptive
+        (Ziegler et al. 2019), steering toward ``--kl_target`` over ``horizon`` rollouts (the planned
+        :attr:`chatrl.sizes.PPOPlan.kl_horizon`), or fixed."""
+        if self.kl_ctl == "adaptive":
+            return core.AdaptiveKLController(self.init_kl_coef, self.kl_target, horizon)
+        return core.FixedKLController(self.init_kl_coef)
 
     @property
     def clip_bounds(self) -> tuple[float, float]:

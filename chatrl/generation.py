@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from chatrl.config import HybridEngineConfig
+from chatrl.config import HybridEngineConfig, SamplingConfig
 from chatrl.distributed.dist import DistInfo, all_reduce_sum
 from chatrl.hybrid_engine import HybridEngine
 from chatrl.hybrid_engine.tp_plan import family_of
@@ -68,16 +68,16 @@ def inference_engine(model) -> HybridEngine:
 
 @torch.no_grad()
 def generate_answers(engine: HybridEngine, prompts: Sequence[Sequence[int]], tokenizer, max_new_tokens: int,
-                     sampling: dict, output_logprobs: bool = False):
+                     sampling: SamplingConfig | None, output_logprobs: bool = False):
     """Answers to one batch of prompts: the left-padded batch (:func:`left_pad`) through ``engine``
     (:func:`inference_engine`), stopping at :func:`chatrl.models.causal_lm.stop_token_ids` (the chat template's
-    end-of-turn token and the EOS, as ``chat.py`` and step 3), with ``sampling`` from
-    :func:`chatrl.models.causal_lm.sampling_settings` (greedy, or sampled from the global torch RNG).
+    end-of-turn token and the EOS, as ``chat.py`` and step 3), greedy or sampled from the global
+    torch RNG.
 
     Args:
         engine: the generating engine. prompts: ``B`` token-id lists (no answer). tokenizer: the
-            model's (pad and stop ids). max_new_tokens: the answer budget. sampling: ``do_sample``,
-            ``temperature``, ``top_k``, ``top_p``. output_logprobs: also return the sampler's
+            model's (pad and stop ids). max_new_tokens: the answer budget. sampling: ``--temperature``,
+            ``--top_k``, ``--top_p``; ``None``: greedy decoding. output_logprobs: also return the sampler's
             log-prob of each generated token under the distribution it was drawn from
             (:meth:`chatrl.hybrid_engine.HybridEngine.generate`).
 
@@ -86,7 +86,7 @@ def generate_answers(engine: HybridEngine, prompts: Sequence[Sequence[int]], tok
         with ``output_logprobs`` a pair ``(tokens, logprobs (B, max_new_tokens) fp32, 0 after the stop)``.
     """
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-    out = engine.generate(ids, mask, max_new_tokens=max_new_tokens, **sampling,
+    out = engine.generate(ids, mask, max_new_tokens=max_new_tokens, sampling=sampling,
                           eos_token_id=stop_token_ids(tokenizer, engine.module), pad_token_id=tokenizer.pad_token_id,
                           output_logprobs=output_logprobs)
     if output_logprobs:
@@ -128,7 +128,7 @@ def eos_rate(engine, prompts: Sequence[Sequence[int]], tokenizer, max_new_tokens
     mine = list(prompts[info.rank::info.world_size])
     per_rank = math.ceil(len(prompts) / info.world_size)
     batch = mine + [list(prompts[0][:1])] * (per_rank - len(mine))
-    answers = generate_answers(inference_engine(engine), batch, tokenizer, max_new_tokens, {"do_sample": False})
+    answers = generate_answers(inference_engine(engine), batch, tokenizer, max_new_tokens, None)
     ended = sum(e for _, e in answer_tokens(answers, stop_token_ids(tokenizer, engine))[: len(mine)])
     engine.train()
     counts = all_reduce_sum(torch.tensor([float(ended), len(mine)], dtype=torch.float64))

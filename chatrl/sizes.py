@@ -352,11 +352,18 @@ DEFAULT_MAX_TURNS = 4
 @dataclass(frozen=True)
 class EpisodePlan:
     """The sizes of step 3's multi-turn episodes (``--env``): assistant turns per episode, the bound
-    on an episode's tokens, and the widest answer region (turns and observations after the prompt)."""
+    on an episode's tokens, and the opening turns' bound (``--max_prompt_seq_len``: their ids are cut
+    from the left to it)."""
 
     max_turns: int
     max_total_tokens: int
-    max_region_tokens: int
+    max_prompt_len: int
+
+    @property
+    def max_region_tokens(self) -> int:
+        """The widest answer region (turns and observations after the prompt): at least one prompt token
+        leaves ``max_total_tokens - 1``."""
+        return self.max_total_tokens - 1
 
 
 def plan_episodes(max_prompt_seq_len: int, max_answer_seq_len: int, max_turns: int | None,
@@ -376,4 +383,4 @@ def plan_episodes(max_prompt_seq_len: int, max_answer_seq_len: int, max_turns: i
     if total <= max_prompt_seq_len:
         raise UsageError(f"--max_total_tokens {total} leaves no room for an answer after "
                          f"--max_prompt_seq_len {max_prompt_seq_len}")
-    return EpisodePlan(turns, total, total - 1)
+    return EpisodePlan(turns, total, max_prompt_seq_len)

@@ -85,8 +85,9 @@ def evaluate_episodes(model_dir: str, rows: list[dict], env: str = "calculator",
     from transformers import AutoModelForCausalLM
 
     from chatrl.envs import load_environment
-    from chatrl.envs.rollout import run_episodes
+    from chatrl.envs.rollout import Episodes, run_episodes
     from chatrl.models.causal_lm import fit_embeddings, load_tokenizer, stop_token_ids
+    from chatrl.sizes import plan_episodes
 
     tok = load_tokenizer(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -100,12 +101,12 @@ def evaluate_episodes(model_dir: str, rows: list[dict], env: str = "calculator",
         fill = out.new_full((out.shape[0], ids.shape[1] + max_new_tokens - out.shape[1]), tok.pad_token_id)
         return torch.cat([out, fill], dim=1), torch.zeros(out.shape[0], max_new_tokens)
 
-    make_env, total = load_environment(env), 0.0
+    episodes = Episodes(load_environment(env), plan_episodes(256, max_new_tokens, max_turns, None))
+    total = 0.0
     for i in range(0, len(rows), batch_size):
         part = [{"messages": [{"role": "user", "content": r["prompt"]}], "metadata": {"reference": r["reference"]},
                  "seed": i + j} for j, r in enumerate(rows[i:i + batch_size])]
-        ep = run_episodes(generate, tok, make_env, part, max_turns=max_turns, max_prompt_len=256,
-                          max_total_tokens=256 + (2 * max_turns - 1) * max_new_tokens, stop_ids=stops, device="cpu")
+        ep = run_episodes(generate, tok, episodes, part, stop_ids=stops, device="cpu")
         total += float((ep.final_rewards + ep.turn_rewards.sum(dim=1)).sum())
     return total / max(len(rows), 1)
 

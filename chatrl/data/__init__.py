@@ -2,13 +2,13 @@
 
 Typical use in a step::
 
-    data = phase_data(1, settings.data, tokenizer, seed)     # or build_phase_data(1, paths, tokenizer, ...)
+    data = build_phase_data(1, settings.data, tokenizer, seed=seed)
     loader = DataLoader(data.train, collate_fn=SFTCollator(tokenizer.pad_token_id), ...)
 """
 
 from chatrl.data.collate import PairCollator, PromptCollator, SFTCollator
 from chatrl.data.formatting import encode_answer, encode_example, encode_prompt, format_answer, format_prompt
-from chatrl.data.pipeline import PhaseData, build_phase_data, phase_data
+from chatrl.data.pipeline import PhaseData, build_phase_data, prompt_batches, ptx_batches
 from chatrl.data.report import SkipReport
 from chatrl.data.schema import Sample
 from chatrl.data.sources import load_samples
@@ -29,5 +29,6 @@ __all__ = [
     "format_prompt",
     "load_samples",
     "parse_data_split",
-    "phase_data",
+    "prompt_batches",
+    "ptx_batches",
 ]

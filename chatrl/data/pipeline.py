@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from chatrl.config import DataConfig
+from chatrl.checkpoint import Cycle
+from chatrl.config import DataConfig, RolloutConfig
 from chatrl.data.cache import Columns, cache_key, load_or_build, to_hf_dataset, tokenizer_fingerprint
+from chatrl.data.collate import PromptCollator, SFTCollator
 from chatrl.data.examples import PHASE_COLUMNS, tokenize_samples
 from chatrl.data.formatting import FORMAT_VERSION
 from chatrl.data.report import SkipReport
@@ -148,10 +150,8 @@ def phase_cache_key(phase: int, data_paths: Sequence[str], tokenizer, *, data_sp
     return cache_key(spec)
 
 
-def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split: str = "2,4,4",
-                     max_seq_len: int = 512, max_prompt_len: int = 256, eval_fraction: float = 0.05,
-                     eval_data_paths: list[str] | None = None, seed: int = 1234,
-                     cache_dir: str | None = "/tmp/chatrl_data", all_turns: str = "auto") -> PhaseData:
+def build_phase_data(phase: int, data: DataConfig, tokenizer, *, seed: int = 1234, max_prompt_len: int = 256,
+                     all_turns: str = "auto") -> PhaseData:
     """Tokenized train and eval data of one phase, blended from several ``--data_path`` entries.
 
     Items of ``train``/``eval`` (see :class:`TokenizedDataset`):
@@ -163,23 +163,25 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
 
     Args:
         phase: 1 (SFT), 2 (reward model) or 3 (PPO).
-        data_paths: entries (see :mod:`chatrl.data.sources`); all are blended, train rows in
-            entry order (shuffling is the sampler's job).
+        data: the program's :class:`chatrl.config.DataConfig`: ``data_path``, the entries (see
+            :mod:`chatrl.data.sources`; all are blended, train rows in entry order, shuffling is the
+            sampler's job); ``data_split``, the phase weights for pair sources; ``max_seq_len``, the
+            longest prompt + answer (phases 1–2; prompts are cut from the left to fit);
+            ``eval_fraction``, the share of each source's phase part held out for evaluation;
+            ``eval_data_path``, explicit evaluation entries (then no rows are held out of training);
+            ``data_output_path``, the token cache folder (``None`` disables it; every rank must see
+            it, a shared file system on multi-node runs: rank 0 writes it, the others read it).
         tokenizer: a tokenizer prepared by :func:`chatrl.models.causal_lm.prepare_tokenizer`.
-        data_split: ``--data_split`` phase weights for pair sources.
-        max_seq_len: longest prompt + answer (phases 1–2); prompts are cut from the left to fit.
-        max_prompt_len: longest prompt in phase 3 (cut from the left, counted as ``truncated``).
-        eval_fraction: share of each source's phase part held out for evaluation.
-        eval_data_paths: explicit evaluation entries; then no rows are held out of training.
         seed: seed of the phase split.
+        max_prompt_len: longest prompt in phase 3 (cut from the left, counted as ``truncated``).
         all_turns: phase 1's ``--train_all_assistant_turns`` (:func:`chatrl.data.examples.tokenize_samples`).
-        cache_dir: token cache folder (``None`` disables it). Every rank must see it (a shared file
-            system on multi-node runs): rank 0 writes it, the others read it.
 
     Raises:
         FileNotFoundError: a missing path. ValueError: a bad ``data_split``, phase or length,
             an empty file, an unknown schema, a source with no usable rows, or no training rows.
     """
+    data_paths, data_split, max_seq_len = data.data_path, data.data_split, data.max_seq_len
+    eval_fraction, eval_data_paths, cache_dir = data.eval_fraction, data.eval_data_path, data.data_output_path
     if phase not in PHASE_COLUMNS:
         raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
     if not data_paths:
@@ -208,13 +210,26 @@ def build_phase_data(phase: int, data_paths: list[str], tokenizer, *, data_split
     return PhaseData(TokenizedDataset(train), TokenizedDataset(evals), report)
 
 
-def phase_data(phase: int, data: DataConfig, tokenizer, seed: int, *, data_paths: list[str] | None = None,
-               **overrides) -> PhaseData:
-    """:func:`build_phase_data` with a program's :class:`chatrl.config.DataConfig`: its ``--data_path``
-    (or ``data_paths``), ``--data_split``, ``--max_seq_len``, ``--eval_fraction``,
-    ``--eval_data_path`` and ``--data_output_path``; ``overrides`` replace any of those keyword
-    arguments (step 3's ``max_prompt_len``, its PTX text's ``data_split``)."""
-    kwargs = dict(data_split=data.data_split, max_seq_len=data.max_seq_len, eval_fraction=data.eval_fraction,
-                  eval_data_paths=data.eval_data_path, seed=seed, cache_dir=data.data_output_path)
-    kwargs.update(overrides)
-    return build_phase_data(phase, data_paths or data.data_path, tokenizer, **kwargs)
+def prompt_batches(data: DataConfig, rollout: RolloutConfig, tokenizer, info: dist.DistInfo,
+                   seed: int) -> tuple[PhaseData, torch.utils.data.DataLoader]:
+    """Step 3's prompts (phase 3 of ``--data_path``, each cut from the left to ``--max_prompt_seq_len``)
+    and this rank's seeded loader of them, ``--per_device_generation_batch_size`` prompts per batch
+    with their metadata and messages (:class:`chatrl.data.collate.PromptCollator`), the last partial
+    batch dropped. Returns ``(the phase data, the loader)``."""
+    prompts = build_phase_data(3, data, tokenizer, seed=seed, max_prompt_len=rollout.max_prompt_seq_len)
+    loader = dist.seeded_loader(prompts.train, rollout.per_device_generation_batch_size,
+                                PromptCollator(tokenizer.pad_token_id, with_metadata=True), info, seed, drop_last=True)
+    return prompts, loader
+
+
+def ptx_batches(data: DataConfig, tokenizer, info: dist.DistInfo, seed: int, batch_size: int,
+                max_seq_len: int) -> Cycle | None:
+    """Step 3's PTX text (``--unsupervised_dataset_name``, step-1 style data, all of it trained, cut
+    to ``max_seq_len`` tokens) as endless batches of ``batch_size`` on this rank's device, or None
+    without it."""
+    if not data.unsupervised_dataset_name:
+        return None
+    unsup = build_phase_data(1, data.ptx_text(max_seq_len), tokenizer, seed=seed)
+    loader = dist.seeded_loader(unsup.train, batch_size, SFTCollator(tokenizer.pad_token_id, mask_prompt=False), info,
+                                seed, drop_last=True, shuffle=True)
+    return Cycle(loader, info.device)

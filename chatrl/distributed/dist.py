@@ -254,6 +254,25 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """The ranks a trainer's collectives run over: this ``rank`` of ``world_size``, and the sum and
+    maximum over the ranks (:func:`all_reduce_sum`, :func:`all_reduce_max`), ``None`` on one rank
+    (nothing to reduce)."""
+
+    rank: int = 0
+    world_size: int = 1
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, info: DistInfo) -> RankGroup:
+        """The group of the job ``info`` places this process in (reductions only with several ranks)."""
+        several = info.world_size > 1
+        return cls(info.rank, info.world_size, all_reduce_sum if several else None,
+                   all_reduce_max if several else None)
+
+
 def shard_for_eval(n: int, rank: int, world: int) -> list[int]:
     """Indices of rank ``rank``'s share of ``n`` eval rows, padded with ``-1`` to equal length on all ranks.
 

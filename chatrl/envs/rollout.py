@@ -31,6 +31,7 @@ import torch
 from chatrl.data.examples import left_cut
 from chatrl.data.turns import ConversationIds, encode_conversation, observation_ids
 from chatrl.envs.base import EnvError, EnvFactory, check_messages_out, check_step
+from chatrl.sizes import EpisodePlan
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -145,17 +146,27 @@ def _agree(flags: list[float], all_reduce_sum: AllReduce | None, device) -> list
     return (all_reduce_sum(t) if all_reduce_sum is not None else t).tolist()
 
 
-def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequence[dict], *, max_turns: int,
-                 max_prompt_len: int, max_total_tokens: int, stop_ids: Sequence[int], device,
-                 all_reduce_sum: AllReduce | None = None, rank: int = 0, step: int = 0) -> EpisodeBatch:
+@dataclass(frozen=True)
+class Episodes:
+    """Step 3's multi-turn episodes (``--env``): the environment's factory, one instance per episode
+    (:func:`chatrl.envs.load_environment`), and the episodes' sizes (:func:`chatrl.sizes.plan_episodes`)."""
+
+    make_env: EnvFactory
+    plan: EpisodePlan
+
+
+def run_episodes(generate: Generate, tokenizer, episodes: Episodes, rows: Sequence[dict], *,
+                 stop_ids: Sequence[int], device, all_reduce_sum: AllReduce | None = None, rank: int = 0,
+                 step: int = 0) -> EpisodeBatch:
     """Play one episode per row (module docstring). A collective: every rank calls it.
 
     Args:
         generate: ``generate(ids (b, W), mask (b, W)) -> (sequences (b, W + T), sampler_logp (b, T))``,
             one assistant turn of at most ``T`` tokens (the hybrid engine's, inside its inference layout).
+        episodes: the environment and the sizes: ``max_turns`` assistant turns per episode (>= 1), the
+            opening turns' ids cut from the left to ``max_prompt_len``, ``max_total_tokens`` the bound
+            on an episode's ids.
         rows: ``{"messages", "metadata", "seed"}`` per episode (:mod:`chatrl.envs.base`).
-        max_turns: assistant turns per episode (>= 1). max_prompt_len: the opening turns' ids are
-            cut from the left to this. max_total_tokens: bound on an episode's ids.
         stop_ids: ids that end a turn (:func:`chatrl.models.causal_lm.stop_token_ids`), the end-of-turn token
             first: only a turn that ends with it is followed by an observation.
         all_reduce_sum: sums a tensor over ranks (``None``: one rank). rank, step: for messages.
@@ -164,17 +175,19 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
         EnvError: an environment raised or returned something wrong, on this or another rank
             (on every rank; the failing one chains its error).
     """
+    make_env, plan = episodes.make_env, episodes.plan
+    max_turns, max_prompt_len, max_total_tokens = plan.max_turns, plan.max_prompt_len, plan.max_total_tokens
     where = f"--env {getattr(make_env, 'spec', 'environment')} (rank {rank}, step {step})"
     stops, eot, pad = set(int(i) for i in stop_ids), int(stop_ids[0]), tokenizer.pad_token_id
-    episodes: list[Episode] = []
+    played: list[Episode] = []
     error: BaseException | None = None
     try:
-        episodes = [_start(make_env, row, tokenizer, max_prompt_len, where) for row in rows]
+        played = [_start(make_env, row, tokenizer, max_prompt_len, where) for row in rows]
     except Exception as exc:  # noqa: BLE001 - every failure must reach the collective below
         error = exc
     turn = 0
     while True:  # every rank takes the same number of passes: the active count is global
-        active = [e for e in episodes if not e.done] if error is None else []
+        active = [e for e in played if not e.done] if error is None else []
         n_active, failed = _agree([float(len(active)), float(error is not None)], all_reduce_sum, device)
         if failed:
             if error is not None:
@@ -182,7 +195,7 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
             raise EnvError(f"{where}: the environment failed on another rank; see its error")
         if n_active == 0:
             break
-        feed = active or episodes[:1]
+        feed = active or played[:1]
         ids, mask = _left_padded([e.ids.ids for e in feed], pad, device)
         seq, logp = generate(ids, mask)
         new, logp = seq[:, ids.shape[1]:].tolist(), logp.float().tolist()
@@ -193,7 +206,7 @@ def run_episodes(generate: Generate, tokenizer, make_env: EnvFactory, rows: Sequ
         except Exception as exc:  # noqa: BLE001 - as above
             error = exc
         turn += 1
-    return _to_batch(episodes, pad, device)
+    return _to_batch(played, pad, device)
 
 
 def _to_batch(episodes: list[Episode], pad: int, device) -> EpisodeBatch:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chatrl.config import SamplingConfig
 from chatrl.data.examples import left_cut
 from chatrl.data.formatting import encode_prompts
 from chatrl.generation import answer_tokens, generate_answers, inference_engine, left_pad
@@ -97,13 +98,14 @@ class Reference:
 
 
 @torch.no_grad()
-def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names: Sequence[str], sampling: dict,
+def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names: Sequence[str],
+                   sampling: SamplingConfig,
                    batch_size: int, max_new_tokens: int, reference: Reference | None = None,
                    progress: Callable[[int], None] | None = None) -> dict[str, list[Answer]]:
     """The model's answers to every prompt for each decoding in ``names`` (:func:`decodings`).
 
-    Prompts are batched ``batch_size`` at a time, longest first (less padding); greedy answers use
-    ``{"do_sample": False}``, ``seed<S>`` answers ``sampling`` after ``torch.manual_seed(S)`` (so a
+    Prompts are batched ``batch_size`` at a time, longest first (less padding); greedy answers are
+    decoded greedily, ``seed<S>`` answers with ``sampling`` after ``torch.manual_seed(S)`` (so a
     model's sampled answers are reproducible for a given prompt set and batch size). With a
     ``reference`` that reads the model's tokens, each answer's KL is ``Σ_t log π(y_t) − log π_ref(y_t)``
     over its tokens through the stop token: for sampled answers the Monte-Carlo (k1) estimate of
@@ -117,8 +119,8 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
 
     Args:
         model: an HF causal LM in eval mode. tokenizer: its tokenizer (pad and stop ids).
-        prompt_ids: ``N`` prompts' ids (:func:`encode_eval_prompts`). sampling: the sampled decoding's
-            ``generate`` arguments (:func:`chatrl.models.causal_lm.sampling_settings`).
+        prompt_ids: ``N`` prompts' ids (:func:`encode_eval_prompts`). sampling: the sampled decodings'
+            ``--temperature``, ``--top_k``, ``--top_p`` (0: greedy).
         progress: called with the number of prompts answered after each batch.
 
     Returns:
@@ -131,11 +133,11 @@ def answer_prompts(model, tokenizer, prompt_ids: Sequence[Sequence[int]], names:
     out: dict[str, list[Answer]] = {}
     for name in names:
         if name == GREEDY:
-            how, temperature, filters = {"do_sample": False}, 1.0, {}
+            how, temperature, filters = None, 1.0, {}
         else:
             torch.manual_seed(int(name[len("seed"):]))
-            how, temperature = sampling, float(sampling.get("temperature", 1.0))
-            filters = {"top_k": int(sampling.get("top_k", 0)), "top_p": float(sampling.get("top_p", 1.0))}
+            how, (temperature, top_k, top_p) = sampling, sampling.scored
+            filters = {"top_k": top_k, "top_p": top_p}
         answers: list[Answer | None] = [None] * len(prompt_ids)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]

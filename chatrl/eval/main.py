@@ -161,7 +161,6 @@ def generate_all(s: EvalSettings, candidates, tokenizers, prompts, names, device
     from tqdm.auto import tqdm
 
     e = s.eval
-    sampling = sampling_settings(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)
     reference = None
     if e.reference:
         ref_tok = load_model_tokenizer(e.reference, "--reference", s.model.trust_remote_code)
@@ -186,7 +185,7 @@ def generate_all(s: EvalSettings, candidates, tokenizers, prompts, names, device
         ids = encode_eval_prompts(tok, [p.messages for p in prompts],
                                   _prompt_budget(c.path, s, s.model.trust_remote_code))
         bar.set_postfix_str(c.label)
-        out[c.label] = answer_prompts(model, tok, ids, names, sampling, s.rollout.per_device_generation_batch_size,
+        out[c.label] = answer_prompts(model, tok, ids, names, s.sampling, s.rollout.per_device_generation_batch_size,
                                       s.rollout.max_answer_seq_len, reference, progress)
         del model
     bar.close()

@@ -6,7 +6,8 @@ left-padded token ids and returns token ids. See ``docs/hybrid_engine.md``.
 """
 
 from chatrl.hybrid_engine.decode import GenerationSettings
-from chatrl.hybrid_engine.engine import HybridEngine, HybridEngineFallbackWarning
+from chatrl.hybrid_engine.engine import HybridEngine, HybridEngineFallbackWarning, Sampler
 from chatrl.hybrid_engine.tp_plan import SUPPORTED_FAMILIES
 
-__all__ = ["GenerationSettings", "HybridEngine", "HybridEngineFallbackWarning", "SUPPORTED_FAMILIES"]
+__all__ = ["GenerationSettings", "HybridEngine", "HybridEngineFallbackWarning", "SUPPORTED_FAMILIES",
+           "Sampler"]

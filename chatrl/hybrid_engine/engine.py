@@ -13,20 +13,43 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from chatrl.config import HybridEngineConfig
+from chatrl.config import HybridEngineConfig, SamplingConfig
 from chatrl.distributed.dist import all_reduce_sum, cpu_threads_per_rank, local_world_size
 from chatrl.evidence.weight_version import WeightFingerprint, WeightStamp
 from chatrl.hybrid_engine.decode import GenerationSettings, TPGroup, decode, gather_prompts
 from chatrl.hybrid_engine.inference_copy import InferenceCopy, release_host_memory
 from chatrl.hybrid_engine.tp_plan import check_tp_size, family_of
 from chatrl.logprobs import logprobs_from_logits
-from chatrl.models.causal_lm import base_model, sampling_settings
+from chatrl.models.causal_lm import base_model, sampling_settings, stop_token_ids
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sampler:
+    """What step 3's trainer samples rollouts with (:meth:`HybridEngine.sampler`).
+
+    ``generate(ids (B, P), mask (B, P)) -> (sequences (B, P + A), sampler_logp (B, A))``;
+    ``sampling``: the distribution it draws from (``--temperature``, ``--top_k``, ``--top_p``), which
+    the trainer's log-probs score (:attr:`chatrl.config.SamplingConfig.scored`); ``session``: a
+    context manager factory inside which several calls share one inference layout (a multi-turn
+    rollout), or None; ``weights``: the source of weight stamps (``sampler_stamp()``, the weights of
+    the last generation, and ``training_stamp()``, the actor's now), or None: no stamps.
+    """
+
+    generate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    session: Callable[[], contextlib.AbstractContextManager] | None = None
+    weights: object | None = None
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.generate(ids, mask)
 
 
 class HybridEngineFallbackWarning(UserWarning):
@@ -263,7 +286,7 @@ class HybridEngine:
         self.timings["release"] = time.perf_counter() - t0
 
     # -------------------------------------------------------------- generation
-    def _settings(self, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+    def _settings(self, max_new_tokens, sampling: SamplingConfig | None, eos_token_id, pad_token_id,
                   min_new_tokens) -> GenerationSettings:
         gen_cfg = getattr(self.hf, "generation_config", None)
         if eos_token_id is None:
@@ -279,15 +302,15 @@ class HybridEngine:
                 pad_token_id = eos[0] if eos else 0
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0,  # greedy: the warpers are not applied
-                    **sampling_settings(temperature, top_k or 0, top_p, greedy=not do_sample)}
+        drawn = {"temperature": 1.0, "top_k": 0, "top_p": 1.0,  # greedy: the warpers are not applied
+                 **(sampling_settings(sampling.temperature, sampling.top_k or 0, sampling.top_p)
+                    if sampling is not None else {"do_sample": False})}
         return GenerationSettings(
             max_new_tokens=int(max_new_tokens), eos_token_ids=eos, pad_token_id=int(pad_token_id),
-            min_new_tokens=int(min_new_tokens or 0), **sampling)
+            min_new_tokens=int(min_new_tokens or 0), **drawn)
 
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 eos_token_id=None, pad_token_id=None, min_new_tokens: int = 0,
+                 sampling: SamplingConfig | None = None, eos_token_id=None, pad_token_id=None, min_new_tokens: int = 0,
                  generator: torch.Generator | None = None, output_logits: bool = False,
                  output_logprobs: bool = False):
         """Generate continuations of left-padded prompts.
@@ -295,9 +318,10 @@ class HybridEngine:
         Args:
             input_ids: ``(B, P)`` token ids, left-padded. attention_mask: ``(B, P)``, 1 on real tokens.
             max_new_tokens: tokens to generate (equal on every rank of a tensor-parallel group).
-            do_sample, temperature, top_k, top_p, min_new_tokens: as in HF ``generate``
-                (``top_k=0``/``top_p=1`` disable the filters); ``temperature=0`` is greedy decoding
-                (:func:`chatrl.models.causal_lm.sampling_settings`).
+            sampling: ``--temperature``, ``--top_k``, ``--top_p`` (:class:`chatrl.config.SamplingConfig`,
+                as HF ``generate``'s; ``top_k=0``/``top_p=1`` disable the filters, ``temperature=0`` is
+                greedy decoding: :func:`chatrl.models.causal_lm.sampling_settings`); ``None``: greedy decoding.
+            min_new_tokens: as in HF ``generate``.
             eos_token_id: an id or a list of ids ending an answer; ``None`` takes the model's.
             pad_token_id: filler after EOS; ``None`` takes the model's.
             generator: RNG for sampling on the engine path (the global RNG when ``None``).
@@ -320,8 +344,7 @@ class HybridEngine:
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (B, P)")
-        s = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
-                           min_new_tokens)
+        s = self._settings(max_new_tokens, sampling, eos_token_id, pad_token_id, min_new_tokens)
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
         if not self.enabled:
@@ -351,6 +374,28 @@ class HybridEngine:
         if output_logprobs:
             return sequences, logprobs[0]
         return (sequences, logits) if output_logits else sequences
+
+    def sampler(self, max_new_tokens: int, sampling: SamplingConfig, tokenizer) -> Sampler:
+        """Step 3's rollout sampler on this engine: :meth:`generate` with ``max_new_tokens``
+        (``--max_answer_seq_len``), ``sampling`` and the tokenizer's stop ids
+        (:func:`chatrl.models.causal_lm.stop_token_ids`) and pad id bound, returning ``(sequences, sampler
+        log-probs of the sampled tokens)``, run inside :meth:`inference` so that training always runs
+        in the training layout (and ``release_inference_cache`` frees the copy after every rollout).
+        A multi-turn rollout generates every turn inside one :attr:`Sampler.session` (one switch of
+        layout per rollout, not one per turn). The engine is the sampler's stamp source."""
+        stops, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
+
+        def turn(ids, mask):
+            return self.generate(ids, mask, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=stops,
+                                 pad_token_id=pad, output_logprobs=True)
+
+        def generate(ids, mask):
+            if self.in_inference:  # inside a session (a multi-turn rollout)
+                return turn(ids, mask)
+            with self.inference():
+                return turn(ids, mask)
+
+        return Sampler(generate, sampling, session=self.inference, weights=self)
 
     # ------------------------------------------------------------------ weight stamps
     def training_stamp(self) -> WeightStamp:

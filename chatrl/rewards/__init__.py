@@ -29,6 +29,7 @@ from chatrl.rewards.base import (
 )
 from chatrl.rewards.function import BUILTIN_REWARD_FNS, FunctionReward, load_reward_fn
 from chatrl.rewards.kinds import RewardContext, RewardKind, check_reward_metadata
+from chatrl.rewards.model import reward_model_scores
 from chatrl.rewards.remote import HttpReward, decode_request, decode_response, encode_request
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "RewardSource",
     "WeightedReward",
     "build_reward",
+    "build_rlhf_reward",
     "check_reward_metadata",
     "check_scores",
     "decode_request",
@@ -79,3 +81,17 @@ def build_reward(settings: RewardConfig, context: RewardContext | None = None, m
     if model is not None:
         parts.append((1.0, kinds.KINDS["model"].source(model, settings, context)))
     return WeightedReward(parts + kinds.sources(settings, context))
+
+
+def build_rlhf_reward(settings: RewardConfig, reward_engine, reward_path: str | None, micro_batch: int,
+                      pad_token_id: int | None = None, episodes: bool = False, score_fn=None) -> WeightedReward:
+    """Step 3's weighted reward, the same for every algorithm (:func:`build_reward`): the reward model
+    at ``reward_path`` scored by ``reward_engine`` when loaded (:func:`chatrl.rewards.model.reward_model_scores`,
+    ``micro_batch`` rollouts per pass, on packed rows with ``pad_token_id``), the environment's reward
+    with ``episodes``, the ``--reward_fn`` and ``--reward_url`` sources. ``score_fn`` (a test hook,
+    ``score_fn(sequences, attention_mask, prompt_len) -> (B,)``) replaces all of them."""
+    if score_fn is not None:
+        return WeightedReward([(1.0, ModelReward(score_fn, name="score_fn"))])
+    scores = reward_model_scores(reward_engine, micro_batch, pad_token_id) if reward_engine is not None else None
+    return build_reward(settings, RewardContext(model_scores=scores), reward_path if scores is not None else None,
+                        episodes=episodes)

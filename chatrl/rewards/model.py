@@ -23,6 +23,7 @@ from chatrl.data.schema import Sample
 from chatrl.models.causal_lm import load_tokenizer
 from chatrl.models.precision import resolve_dtype
 from chatrl.models.reward_model import encode_rows, load_reward_model, prompt_messages, score_sequences
+from chatrl.packing import pack
 from chatrl.rewards.base import RewardBatch, RewardError, check_scores, decode_exactly
 
 log = logging.getLogger(__name__)
@@ -88,3 +89,23 @@ class TextRewardModel:
         scores = score_sequences(self.model, self.encode(batch), self.tokenizer.pad_token_id, self.batch_size,
                                  self.device)
         return check_scores(scores, len(batch), f"reward model (step {batch.step})")
+
+
+def reward_model_scores(reward_engine, micro_batch: int, pad_token_id: int | None = None):
+    """Step 3's reward model's end score, ``micro_batch`` rollouts per pass, packed into rows of their
+    real tokens when ``pad_token_id`` is given (``--packing``: the same scores):
+    ``score_fn(sequences (B, T), attention_mask (B, T), prompt_len) -> (B,)``."""
+
+    @torch.no_grad()
+    def score_fn(seq, mask, prompt_len):
+        scores = []
+        for i in range(0, len(seq), micro_batch):
+            s, m = seq[i:i + micro_batch], mask[i:i + micro_batch]
+            if pad_token_id is None:
+                scores.append(reward_engine(s, m).end_scores)
+            else:
+                packed = pack([row[keep > 0] for row, keep in zip(s, m, strict=True)], pad_token_id)
+                scores.append(reward_engine(packed.input_ids, None, packed=packed).end_scores)
+        return torch.cat(scores)
+
+    return score_fn

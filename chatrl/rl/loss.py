@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -290,11 +291,24 @@ def loss_scale(loss_agg_mode: str, gradient_accumulation_steps: int, world_size:
     return float(gradient_accumulation_steps * world_size)
 
 
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """How :func:`policy_loss` forms and averages the clipped loss: the aggregation
+    (``--loss_agg_mode``, one of :data:`LOSS_AGG_MODES`), the ratio clip ``(1 - cliprange_low,
+    1 + cliprange_high)`` (``cliprange_high`` None: ``cliprange_low``, the symmetric PPO clip; DAPO's
+    "clip-higher" uses e.g. 0.28 with 0.2) and the estimator of the KL loss term
+    (``--kl_loss_estimator``, a :data:`KL_LOSS_ESTIMATORS` name). Checked by :func:`policy_loss`."""
+
+    loss_agg_mode: str = "token-mean"
+    cliprange_low: float = 0.2
+    cliprange_high: float | None = None
+    kl_loss_kind: str = "k3+"
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
-                normalizer: float | torch.Tensor, *, loss_agg_mode: str = "token-mean",
-                cliprange_low: float = 0.2, cliprange_high: float | None = None,
+                normalizer: float | torch.Tensor, settings: PolicyLossSettings = PolicyLossSettings(), *,
                 is_weights: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-                kl_loss_coef: float = 0.0, kl_loss_kind: str = "k3+", token_stats: dict | None = None
+                kl_loss_coef: float = 0.0, token_stats: dict | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss of one micro-batch, its share of the optimizer step's loss.
 
@@ -323,12 +337,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         advantages: ``(B, A)`` from the algorithm's estimator (:mod:`chatrl.rl.advantages`; constants).
         action_mask: ``(B, A)``; masked positions of every input are ignored.
         normalizer: > 0, see above.
-        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
-        cliprange_low: ``eps_low > 0``. cliprange_high: ``eps_high > 0``, default ``cliprange_low``
-            (symmetric PPO clip); DAPO's "clip-higher" uses e.g. 0.28 with 0.2.
+        settings: the aggregation, the clip range (``eps_low``, ``eps_high`` > 0) and the KL loss
+            term's estimator (:class:`PolicyLossSettings`).
         is_weights: optional ``(B, A)`` from :func:`rollout_is_weights` (or :func:`truncated_is_weights`).
         ref_logp: ``(B, A)`` reference log-probs, for the KL loss term.
-        kl_loss_coef: beta >= 0 of the KL loss term. kl_loss_kind: a :data:`KL_LOSS_ESTIMATORS` name.
+        kl_loss_coef: beta >= 0 of the KL loss term (the KL controller's value now, so not a setting).
         token_stats: if given, filled with detached per-token ``(B, A)`` tensors: ``ratio`` (1 at
             masked positions) and ``clip`` (int8: -1 where the lower clip removes the token's
             gradient, +1 where the upper one does, else 0); the rollout records keep them.
@@ -351,8 +364,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     core.check_2d("policy_loss", logp=logp)
     core.check_same_shape("policy_loss", logp=logp, old_logp=old_logp, advantages=advantages,
                            action_mask=action_mask)
-    if cliprange_high is None:
-        cliprange_high = cliprange_low
+    loss_agg_mode, kl_loss_kind = settings.loss_agg_mode, settings.kl_loss_kind
+    cliprange_low = settings.cliprange_low
+    cliprange_high = cliprange_low if settings.cliprange_high is None else settings.cliprange_high
     if not (cliprange_low > 0 and cliprange_high > 0):
         raise ValueError(f"policy_loss: cliprange_low and cliprange_high must be > 0, got {cliprange_low}, "
                          f"{cliprange_high}")

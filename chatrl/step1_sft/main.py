@@ -25,7 +25,7 @@ import torch
 
 from chatrl import cli, config, program
 from chatrl.config import setting, uses
-from chatrl.data import SFTCollator, phase_data
+from chatrl.data import SFTCollator, build_phase_data
 from chatrl.data.collate import PackedSFTCollator
 from chatrl.data.examples import ALL_TURNS_CHOICES
 from chatrl.data.template_check import check_startup, startup_conversations
@@ -127,7 +127,7 @@ def run(argv: list[str] | None = None) -> dict:
     all_turns = s.sft.train_all_assistant_turns
     check_startup(tokenizer, startup_conversations(s.data.data_path, turn_by_turn=all_turns == "true"), "step 1",
                   s.template_check.skip_template_check, log)
-    data = phase_data(1, s.data, tokenizer, s.optim.seed, all_turns=all_turns)
+    data = build_phase_data(1, s.data, tokenizer, seed=s.optim.seed, all_turns=all_turns)
     collate = SFTCollator(tokenizer.pad_token_id, mask_prompt=not s.sft.include_prompt_loss)  # eval batches
     # training: each optimizer step's samples, cut into micro-batches by count or token budget, padded or packed
     train = SupervisedData.of(s, info, data.train, PackedSFTCollator(tokenizer.pad_token_id, mask_prompt=not

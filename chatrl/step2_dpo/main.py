@@ -42,7 +42,7 @@ import torch
 
 from chatrl import cli, config, program
 from chatrl.config import setting, uses
-from chatrl.data import phase_data
+from chatrl.data import build_phase_data
 from chatrl.distributed import dist
 from chatrl.generation import eos_rate
 from chatrl.models.trainable import load_trainable
@@ -239,7 +239,7 @@ def run(argv: list[str] | None = None) -> dict:
         parser.error(str(err))
     info, tokenizer = program.start_training("step 2 (DPO)", s, context_window=False)
     # Phase-2 pairs; over-long prompts are cut from the left, identical pairs skipped and counted.
-    data = phase_data(2, s.data, tokenizer, s.optim.seed)
+    data = build_phase_data(2, s.data, tokenizer, seed=s.optim.seed)
     train_pairs, eval_pairs = IndexedPairs(data.train), IndexedPairs(data.eval)
     collate = DPOCollator(tokenizer.pad_token_id, padding_side="right")  # eval and reference precompute batches
     # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed

@@ -40,7 +40,7 @@ import torch
 
 from chatrl import cli, config, program
 from chatrl.config import setting, uses
-from chatrl.data import PairCollator, phase_data
+from chatrl.data import PairCollator, build_phase_data
 from chatrl.data.collate import PackedPairCollator
 from chatrl.distributed import dist
 from chatrl.models.reward_model import pair_stats, pairwise_losses, save_reward_model
@@ -144,7 +144,7 @@ def run(argv: list[str] | None = None) -> dict:
         log.info("--num_padding_at_beginning is not needed: end scores are read from the attention mask")
 
     # Over-long prompts are cut from the left to fit max_seq_len; identical pairs are skipped and counted.
-    data = phase_data(2, s.data, tokenizer, s.optim.seed)
+    data = build_phase_data(2, s.data, tokenizer, seed=s.optim.seed)
     collate = PairCollator(tokenizer.pad_token_id, padding_side="right")  # eval batches
     # training: each optimizer step's pairs, cut into micro-batches by count or token budget, padded or packed
     train = SupervisedData.of(s, info, data.train,

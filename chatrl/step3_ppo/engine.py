@@ -20,11 +20,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from chatrl.checkpoint import resume_path
+from chatrl.data.template_check import DEFAULT_CONVERSATIONS, check_startup, startup_conversations
 from chatrl.distributed import dist
+from chatrl.distributed.weights import save_hf_model
 from chatrl.evidence.certificate import LossScaleProbe
-from chatrl.models.causal_lm import load_causal_lm
-from chatrl.models.reward_model import load_reward_model
+from chatrl.models.causal_lm import load_causal_lm, load_tokenizer, torch_dtype
+from chatrl.models.reward_model import load_reward_model, save_reward_model
 from chatrl.models.trainable import load_trainable
+from chatrl.run import Saved
 from chatrl.sizes import BatchSizes, PPOPlan
 from chatrl.step3_ppo.settings import Step3Settings
 
@@ -39,10 +43,46 @@ class RLHFEngines:
 
     actor: object
     reference: object
-    critic: object | None
-    reward: object | None
-    ema: object | None
+    critic: object | None = None
+    reward: object | None = None
+    ema: object | None = None
     probes: dict = field(default_factory=dict)
+
+    def saved(self, layout: dict, tokenizer) -> Saved:
+        """What the run's checkpoints hold (:class:`chatrl.run.Saved`): the trained engines (actor, and
+        critic when built), the batch ``layout``, the EMA actor, and the actor as the HF snapshot."""
+        trained = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        return Saved(trained, layout, {"actor_ema": self.ema.module} if self.ema is not None else None,
+                     hf_model=(self.actor.module, tokenizer))
+
+    def save_hf(self, output_dir: str, tokenizer, dtype: str) -> None:
+        """The HF-format folders at the end of a run: ``actor/``, ``critic/`` (when built) and
+        ``actor_ema/`` (``--enable_ema``, exported in ``dtype``, the actor's ``--dtype``) under
+        ``output_dir``. A collective under ZeRO-3: every rank calls it."""
+        save_hf_model(self.actor.module, tokenizer, f"{output_dir}/actor")
+        if self.critic is not None:
+            save_reward_model(self.critic.module, tokenizer, f"{output_dir}/critic")
+        if self.ema is not None:
+            save_hf_model(self.ema.module, tokenizer, f"{output_dir}/actor_ema", dtype=torch_dtype(dtype))
+
+
+def actor_tokenizer(s: Step3Settings, reward_path: str | None, episodes: bool) -> object:
+    """The actor's tokenizer (left padding, for generation), checked at start-up: its chat template on
+    a few data rows (and a tool call with ``episodes``: :func:`chatrl.data.template_check.check_startup`,
+    ``--skip_template_check``), and against the reward model's at ``reward_path``
+    (:func:`check_tokenizers_compatible`).
+
+    Raises:
+        ValueError: the template check failed, or the two tokenizers differ.
+    """
+    path = s.actor.model_name_or_path
+    tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=s.actor.trust_remote_code)
+    check_startup(tokenizer, {**startup_conversations(s.data.data_path),
+                              **({"tool_calls": DEFAULT_CONVERSATIONS["tool_calls"]} if episodes else {})},
+                  "step 3", s.template_check.skip_template_check, logging.getLogger("chatrl.step3"))
+    if reward_path:
+        check_tokenizers_compatible(tokenizer, load_tokenizer(reward_path), path, reward_path)
+    return tokenizer
 
 
 def check_tokenizers_compatible(actor_tok, reward_tok, actor_path: str, reward_path: str) -> None:
@@ -59,14 +99,16 @@ def check_tokenizers_compatible(actor_tok, reward_tok, actor_path: str, reward_p
 
 
 def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPlan,
-                  reward_path: str | None, resuming: bool = False) -> RLHFEngines:
+                  reward_path: str | None) -> RLHFEngines:
     """Load and wrap the models of a step-3 run (module docstring); every rank calls it.
 
     The actor's and critic's learning-rate schedules span their optimizer steps over the run
     (``plan.actor_steps``, ``plan.critic_steps``) with the plan's warm-up. ``reward_path``: the
-    reward model to load (:meth:`Step3Settings.reward_model_path`), or None. ``resuming``: the run
-    continues from a checkpoint (its loss-scale probes were measured by the first run).
+    reward model to load (:meth:`Step3Settings.reward_model_path`), or None. A run that continues
+    from a checkpoint (``--resume``, :func:`chatrl.checkpoint.resume_path`) starts no loss-scale probe
+    (the first run measured them).
     """
+    resuming = resume_path(s.ckpt, s.log.output_dir) is not None
     probe_on = not s.certificate.disable_loss_scale_probe
     probes = {}
     batch = BatchSizes(s.ppo.per_device_training_batch_size, s.actor_optim.gradient_accumulation_steps,

@@ -15,6 +15,7 @@ step, at the start and the end) and keeps, across the run and its resumes:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from chatrl.distributed import dist
@@ -28,6 +29,7 @@ from chatrl.evidence.certificate import (
     weight_version_property,
 )
 from chatrl.evidence.rollout_records import write_step
+from chatrl.evidence.weight_version import WeightVersionError
 
 
 class Step3Evidence(RunObserver):
@@ -146,3 +148,15 @@ class Step3Evidence(RunObserver):
             self.cert.add(agreement_property(self.logp_diff_max, self.s.actor.dtype,
                                              self.s.certificate.logp_diff_bound, self.steps))
         self.cert.write()
+
+    @contextlib.contextmanager
+    def failing_on_stale_weights(self):
+        """``with evidence.failing_on_stale_weights(): <the loop>``: a
+        :class:`chatrl.evidence.weight_version.WeightVersionError` (rollouts of other weights than the
+        trainer's, raised on every rank) writes the certificate as it stands (:meth:`failed`) and
+        goes on."""
+        try:
+            yield
+        except WeightVersionError:
+            self.failed()
+            raise

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chatrl import config
+from chatrl import cli, config
 from chatrl.config import setting, uses
+from chatrl.envs import load_environment
+from chatrl.envs.rollout import Episodes
 from chatrl.errors import UsageError
+from chatrl.hybrid_engine.tp_plan import check_inference_tp
+from chatrl.models import check_context_window, check_packing, sampling_settings
 from chatrl.rl.algorithms import ALGORITHMS, Algorithm
-from chatrl.sizes import EpisodePlan, plan_episodes
+from chatrl.rl.loss import check_rollout_is
+from chatrl.sizes import EpisodePlan, PPOPlan, PromptCounts, plan_episodes, plan_ppo
 
 
 @dataclass
@@ -52,17 +57,99 @@ class Step3Settings:
     template_check: config.TemplateCheckConfig = uses(config.TemplateCheckConfig)
     certificate: config.CertificateConfig = uses(config.CertificateConfig)
 
+    @classmethod
+    def parser(cls):
+        """Step 3's command-line parser, generated from its blocks (:func:`chatrl.config.program_parser`)."""
+        return config.program_parser(cls, "chatrl step 3: RLHF fine-tuning of the actor (PPO, GRPO, RLOO, "
+                                          "REINFORCE++)", prog="python -m chatrl.step3_ppo")
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None):
+        """Step 3's parsed flags (:func:`chatrl.cli.parse`; a usage error exits with code 2)."""
+        return cli.parse(cls.parser(), argv)
+
+    @classmethod
+    def read(cls, args) -> Step3Settings:
+        """The typed blocks of parsed flags (:func:`chatrl.config.read`)."""
+        return config.read(cls, args)
+
     @property
     def algorithm(self) -> Algorithm:
         """The RL algorithm (``--rl_algorithm``)."""
         return self.ppo.algorithm
+
+    def check_flags(self) -> None:
+        """Refuse bad sampling and ``--rollout_is_*`` flags and a run without a critic source it needs,
+        before anything loads (the critic is named before the reward: PPO without any reward names it).
+
+        Raises:
+            UsageError: naming the flag.
+        """
+        sampling_settings(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+        p = self.ppo
+        if p.rollout_is_cap:
+            check_rollout_is(p.rollout_is_level, p.rollout_is_mode, p.rollout_is_cap, p.rollout_is_cap_low)
+        self.critic_source()
+
+    def check_models(self, reward_path: str | None, episodes: Episodes | None) -> None:
+        """Before any rank loads a model: the sequence budget (the episodes' token bound, or prompt +
+        answer) within the context window of the actor, the critic's source and ``reward_path``,
+        ``--packing`` for their families, and ``--inference_tp_size`` for the actor.
+
+        Raises:
+            UsageError: naming the flag and the model.
+        """
+        r, actor = self.rollout, self.actor
+        budget = ({"--max_total_tokens": episodes.plan.max_total_tokens} if episodes else
+                  {"--max_prompt_seq_len + --max_answer_seq_len": r.max_prompt_seq_len + r.max_answer_seq_len})
+        critic_source = self.critic_source()
+        models = [actor.model_name_or_path, critic_source and critic_source[0], reward_path]
+        check_context_window(models, budget, actor.trust_remote_code)
+        check_packing(self.packing, models, actor.trust_remote_code)
+        if self.hybrid.enable_hybrid_engine and self.hybrid.inference_tp_size > 1:
+            check_inference_tp(actor.model_name_or_path, self.hybrid.inference_tp_size, actor.trust_remote_code)
+
+    def plan(self, n_generation_batches: int, n_prompts: int, world_size: int) -> PPOPlan:
+        """Every derived size of the run (:func:`chatrl.sizes.plan_ppo`), and the loss aggregation
+        where an unset default does not fit (said in ``plan.notes``), from the prompt loader's batches
+        per rank, the prompts and the ranks."""
+        return plan_ppo(PromptCounts(n_generation_batches, n_prompts, world_size), self.rollout, self.ppo,
+                        self.actor_optim, self.packing, ptx=bool(self.data.unsupervised_dataset_name))
+
+    def opening(self, plan: PPOPlan, world_size: int, n_prompts: int, reward_names: list[str],
+                reward_path: str | None, with_critic: bool, episodes: Episodes | None) -> str:
+        """The run's opening line: prompts, buffers and their shape, optimizer steps, ZeRO stages, the
+        hybrid engine, the dtype, the reward's sources and the episodes."""
+        r, e = self.rollout, episodes.plan if episodes else None
+        critic = (f"{plan.critic_steps} critic optimizer steps; critic ZeRO-{self.critic_zero.zero_stage}"
+                  if with_critic else "no critic")
+        return (f"step 3 ({self.algorithm.name}): {n_prompts} prompts, {plan.total_buffers} experience buffers "
+                f"of {r.generation_batches}×{r.per_device_generation_batch_size} prompts × "
+                f"{self.ppo.samples_per_prompt} answers per rank × {world_size} ranks, {self.ppo.ppo_epochs} "
+                f"epoch(s), {plan.actor_steps} actor optimizer steps, {critic}; actor "
+                f"ZeRO-{self.actor_zero.zero_stage}, hybrid engine "
+                f"{'on' if self.hybrid.enable_hybrid_engine else 'off'}; "
+                f"{self.actor.dtype_note}{', fp32 LM head' if self.actor.fp32_lm_head else ''}; "
+                f"reward: {' + '.join(reward_names)}" + (f" (reward model {reward_path})" if reward_path else "")
+                + (f"; episodes of --env {self.env.env}: up to {e.max_turns} assistant turns, "
+                   f"{e.max_total_tokens} tokens" if e else ""))
 
     @property
     def rule_rewards(self) -> bool:
         """Whether ``--reward_fn``, ``--reward_url`` or an environment (``--env``) give (part of) the reward."""
         return bool(self.reward.reward_fn or self.reward.reward_url or self.env.env)
 
-    def episodes(self) -> EpisodePlan | None:
+    def episodes(self) -> Episodes | None:
+        """The multi-turn episodes with ``--env``: the environment (:func:`chatrl.envs.load_environment`,
+        which builds one to fail at start-up) and their sizes (:meth:`episodes_plan`), else None.
+
+        Raises:
+            UsageError: as :meth:`episodes_plan`, or an environment that does not load.
+        """
+        plan = self.episodes_plan()
+        return Episodes(load_environment(self.env.env, self.env.env_args), plan) if plan is not None else None
+
+    def episodes_plan(self) -> EpisodePlan | None:
         """The multi-turn episodes' sizes with ``--env`` (:func:`chatrl.sizes.plan_episodes`), else None.
 
         Raises:

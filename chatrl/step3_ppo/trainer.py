@@ -48,9 +48,11 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from chatrl.config import PackingConfig, PPOConfig
-from chatrl.envs import EnvFactory
-from chatrl.envs.rollout import episode_seed, run_episodes
+from chatrl.distributed.dist import RankGroup
+from chatrl.distributed.resilience import nonfinite_scores
+from chatrl.envs.rollout import Episodes, episode_seed, run_episodes
 from chatrl.evidence.weight_version import WeightVersionCheck
+from chatrl.hybrid_engine import Sampler
 from chatrl.logprobs import token_logprobs
 from chatrl.models.causal_lm import causal_lm_logits, stop_token_ids, token_logits_at
 from chatrl.packing import micro_batch_groups, pack_rollouts
@@ -59,6 +61,7 @@ from chatrl.rewards.base import decode_exactly
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, repeat_prompts
 from chatrl.rl.loss import (
+    PolicyLossSettings,
     logp_diff,
     loss_scale,
     policy_loss,
@@ -66,11 +69,21 @@ from chatrl.rl.loss import (
     step_normalizers,
 )
 from chatrl.rl.stats import PooledStats
-from chatrl.sizes import EpisodePlan
+from chatrl.step3_ppo.engine import RLHFEngines
 
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-Generate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``generate(ids (B, P), mask (B, P)) -> (sequences (B, P + A), sampler_logp (B, A))`` (the hybrid engine)."""
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """How the trainer's micro-batches make one optimizer step: ``gradient_accumulation_steps``
+    micro-batches per rank (the actor's DeepSpeed engine's), the policy loss aggregated by
+    ``loss_agg_mode`` (the planned one, :attr:`chatrl.sizes.PPOPlan.loss_agg_mode`; None: the PPO
+    block's :attr:`~chatrl.config.PPOConfig.loss_aggregation`) and ``answer_len`` tokens, the
+    per-answer constant of ``seq-mean-token-sum-norm`` (``--max_answer_seq_len``, or the episodes'
+    widest answer region)."""
+
+    gradient_accumulation_steps: int = 1
+    loss_agg_mode: str | None = None
+    answer_len: int = 1
 
 
 @dataclass
@@ -218,43 +231,35 @@ class Trainer:
     """Makes experience and trains the actor (and the critic, when the algorithm has one) on it.
 
     Args:
-        actor: the actor's DeepSpeed engine (with optimizer).
-        reference: the frozen reference (engine or module) with the actor's tokenizer.
-        critic: the critic's engine (``critic(ids, mask)`` returns ``(values (B, T), end_scores
-            (B,))``), or ``None`` when the algorithm has no critic.
+        models: the engines (:class:`chatrl.step3_ppo.engine.RLHFEngines`): ``actor`` (with optimizer),
+            ``reference`` (frozen, engine or module, the actor's tokenizer), ``critic`` (``critic(ids,
+            mask)`` returns ``(values (B, T), end_scores (B,))``; ``None`` when the algorithm has no
+            critic) and ``ema``, an optional EMA copy of the actor, averaged after every actor optimizer
+            step (ZeRO-3 partitions are averaged in place, no gather). Its ``reward`` engine is not used.
         reward: ``reward(RewardBatch) -> (scores (B,), {"reward/<name>": (B,)})``
             (:class:`chatrl.rewards.WeightedReward`).
-        generate: see :data:`Generate`.
+        sampler: the rollouts' :class:`chatrl.hybrid_engine.Sampler` (``None``: the trainer only
+            learns). Its ``sampling`` (``--temperature``, ``--top_k``, ``--top_p``) is scored: the
+            actor's and the reference's log-probs, the ratio, the KL and the entropy are those of the
+            distribution the tokens were sampled from, ``softmax(logits / T)`` (as TRL, veRL and
+            OpenRLHF compute them), greedy decoding at ``T = 1``; with a top-k / top-p filter, those of
+            the filtered distribution, each model filtering its own logits, the sampled token always
+            counted (:func:`chatrl.logprobs.token_logprobs`; ``docs/critic_free.md``, "Temperature,
+            top-k and top-p"). Its ``weights`` give the stamps: every rollout carries
+            ``sampler_stamp()``, and :meth:`make_experience` checks them against ``training_stamp()``
+            (:class:`chatrl.evidence.weight_version.WeightVersionCheck`, ``weight_check``); ``None``: no check.
         kl_controller: its ``value`` is the KL coefficient (``--kl_in`` reward or loss).
         settings: step 3's :class:`chatrl.config.PPOConfig` (the algorithm, its sizes and
             coefficients).
         tokenizer: the actor's (stop ids, pad id; answers are decoded for text rewards).
-        gradient_accumulation_steps, world_size: of the actor's DeepSpeed engine.
-        answer_len: ``--max_answer_seq_len``, the constant of ``seq-mean-token-sum-norm``.
-        all_reduce_sum, all_reduce_max: collectives over the ranks (``None``: one rank).
-        rank: this rank (reward failures name it).
-        temperature: ``--temperature`` of the sampler (0: greedy). The actor's and the reference's
-            log-probs, the ratio, the KL and the entropy are those of the distribution the tokens
-            were sampled from, ``softmax(logits / T)`` (as TRL, veRL and OpenRLHF compute them);
-            greedy decoding is scored at ``T = 1``.
-        top_k, top_p: ``--top_k`` and ``--top_p`` of the sampler (0 and 1: off; greedy decoding ignores
-            them). With a filter, the actor's old and new log-probs, the reference's (hence the KL:
-            between the two models' filtered distributions) and the entropy are those of the
-            filtered distribution the sampler drew from, each model filtering its own logits, the
-            sampled token always counted (:func:`chatrl.logprobs.token_logprobs`;
-            ``docs/critic_free.md``, "Temperature, top-k and top-p").
-        ema: optional EMA copy of the actor, averaged after every actor optimizer step (ZeRO-3
-            partitions are averaged in place, no gather).
+        step: the optimizer step's accumulation, planned loss aggregation and answer budget
+            (:class:`OptimizerStep`).
+        ranks: this rank and the collectives over the ranks (:class:`chatrl.distributed.dist.RankGroup`; reward
+            failures name the rank); ``None``: one rank.
         packing: ``--packing`` (packed forwards) and ``--max_tokens_per_micro_batch`` (micro-batches
             by token budget; needs a global loss aggregation and no PTX loss, :func:`chatrl.sizes.plan_ppo`).
-        env: the environment of multi-turn episodes (``--env``, :func:`chatrl.envs.load_environment`),
-            or ``None``: one answer per prompt. episodes: their sizes (:func:`chatrl.sizes.plan_episodes`).
-        max_prompt_len: ``--max_prompt_seq_len`` (an episode's opening turns are cut to it).
-        weights: the source of weight stamps (:class:`chatrl.hybrid_engine.HybridEngine`:
-            ``sampler_stamp()``, the weights of the last generation, and ``training_stamp()``, the
-            actor's now); every rollout carries the first, and :meth:`make_experience` checks them
-            against the second (:class:`chatrl.evidence.weight_version.WeightVersionCheck`, ``weight_check``).
-            ``None``: no check.
+        episodes: the environment and sizes of multi-turn episodes (``--env``,
+            :class:`chatrl.envs.rollout.Episodes`), or ``None``: one answer per prompt.
 
     Attributes:
         trace: set it to a dict before :meth:`learn` and learn fills it: ``ratio`` and ``clip``
@@ -266,40 +271,43 @@ class Trainer:
         ValueError: a critic given to an algorithm without one, or none to one that needs it.
     """
 
-    def __init__(self, actor, reference, critic, reward: WeightedReward, generate: Generate, kl_controller,
-                 settings: PPOConfig, tokenizer, *, gradient_accumulation_steps: int = 1, world_size: int = 1,
-                 answer_len: int = 1, all_reduce_sum: AllReduce | None = None, all_reduce_max: AllReduce | None = None,
-                 rank: int = 0, ema=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 packing: PackingConfig | None = None,
-                 env: EnvFactory | None = None, episodes: EpisodePlan | None = None, max_prompt_len: int = 0,
-                 weights=None):
+    def __init__(self, models: RLHFEngines, reward: WeightedReward, sampler: Sampler | None, kl_controller,
+                 settings: PPOConfig, tokenizer, *, step: OptimizerStep = OptimizerStep(),
+                 ranks: RankGroup | None = None, packing: PackingConfig | None = None,
+                 episodes: Episodes | None = None):
         self.algorithm = settings.algorithm
+        actor, reference, critic, ema = models.actor, models.reference, models.critic, models.ema
         if (critic is not None) != self.algorithm.needs_critic:
             raise ValueError(f"--rl_algorithm {self.algorithm.name} {'needs' if self.algorithm.needs_critic else 'has no'}"
                              " critic")
         self.actor, self.reference, self.critic, self.ema = actor, reference, critic, ema
-        self.reward, self.generate, self.kl_ctl, self.s, self.tokenizer = reward, generate, kl_controller, settings, tokenizer
+        sampler = sampler or Sampler(None)
+        self.reward, self.generate, self.kl_ctl, self.s, self.tokenizer = reward, sampler, kl_controller, settings, tokenizer
         self.mb, self.n = settings.per_device_training_batch_size, settings.samples_per_prompt
-        self.mode = settings.loss_aggregation
+        self.mode = step.loss_agg_mode or settings.loss_aggregation
         # the critic's value loss: DeepSpeed-Chat's per-micro-batch mean beside its policy loss, else the step's token mean
         self.critic_mode = "micro-batch-token-mean" if self.mode == "micro-batch-token-mean" else "token-mean"
-        self.clip_low, self.clip_high = settings.clip_bounds
+        self.loss = PolicyLossSettings(self.mode, *settings.clip_bounds, settings.kl_loss_estimator)
         self.stops, self.pad = stop_token_ids(tokenizer), tokenizer.pad_token_id
-        self.gas, self.world, self.answer_len = gradient_accumulation_steps, world_size, answer_len
-        self.all_reduce_sum, self.all_reduce_max, self.rank = all_reduce_sum, all_reduce_max, rank
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.top_k, self.top_p = (top_k, top_p) if temperature > 0 else (0, 1.0)  # greedy: no filter
+        ranks = ranks or RankGroup()
+        self.gas, self.world, self.answer_len = step.gradient_accumulation_steps, ranks.world_size, step.answer_len
+        self.all_reduce_sum, self.all_reduce_max, self.rank = ranks.all_reduce_sum, ranks.all_reduce_max, ranks.rank
+        self.temperature, self.top_k, self.top_p = sampler.sampling.scored  # greedy: T = 1, no filter
         packing = packing or PackingConfig()
         self.packed, self.max_tokens = packing.packing, packing.max_tokens_per_micro_batch
-        self.env, self.episodes, self.max_prompt_len = env, episodes, max_prompt_len
-        if (env is None) != (episodes is None):
-            raise ValueError("an environment needs its episode sizes, and episode sizes an environment")
-        self.weights, self.weight_check = weights, WeightVersionCheck()
+        self.episodes = episodes
+        self.weights, self.weight_check = sampler.weights, WeightVersionCheck()
         self.trace: dict | None = None
         self._step = 0
         for m in (actor, critic, reference, ema):
             if m is not None:
                 m.eval()  # detail 1: dropout off in every RL forward pass
+
+    def score_through(self, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Pass every rollout's scores through ``hook`` from now on (``--debug_nonfinite_steps``, a
+        testing hook: :meth:`chatrl.run.Run.nonfinite`, NaN at the listed steps;
+        :func:`chatrl.distributed.resilience.nonfinite_scores`)."""
+        self.reward = nonfinite_scores(self.reward, hook)
 
     # ------------------------------------------------------------------------------------ rollouts
     def mask_answers(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor):
@@ -322,7 +330,7 @@ class Trainer:
             chatrl.rewards.RewardError: a reward source failed on some rank (on every rank).
             chatrl.envs.EnvError: the environment failed on some rank (on every rank).
         """
-        if self.env is not None:
+        if self.episodes is not None:
             return self.rollout_episodes(messages, metadata, step, prompt_ids.device)
         ids, mask = repeat_prompts(prompt_ids, prompt_mask, self.n)
         meta = [dict(m) for m in (metadata or [{}] * len(prompt_ids)) for _ in range(self.n)]
@@ -378,13 +386,10 @@ class Trainer:
         meta = [dict(m) for m in (metadata or [{}] * len(messages))]
         rows = [{"messages": [dict(m) for m in msgs], "metadata": dict(md), "seed": episode_seed(step, self.rank, i)}
                 for i, (msgs, md) in enumerate(zip(messages, meta, strict=True)) for _ in range(self.n)]
-        plan = self.episodes
-        session = getattr(self.generate, "session", None)
+        session = self.generate.session
         with session() if session is not None else contextlib.nullcontext():
-            ep = run_episodes(self.generate, self.tokenizer, self.env, rows, max_turns=plan.max_turns,
-                              max_prompt_len=self.max_prompt_len, max_total_tokens=plan.max_total_tokens,
-                              stop_ids=self.stops, device=device, all_reduce_sum=self.all_reduce_sum,
-                              rank=self.rank, step=step)
+            ep = run_episodes(self.generate, self.tokenizer, self.episodes, rows, stop_ids=self.stops, device=device,
+                              all_reduce_sum=self.all_reduce_sum, rank=self.rank, step=step)
         self._step = step
         rmeta = [r["metadata"] for r in rows]
         P = ep.prompt_len
@@ -602,11 +607,9 @@ class Trainer:
         logp = self.padded_logp(model, exp.sequences, exp.attention_mask, exp.prompt_len)
         norm = step_normalizers(exp.action_mask, len(exp), 1, self.mode, constant=float(self.answer_len))[0]
         in_loss = self.s.kl_in == "loss"
-        loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, loss_agg_mode=self.mode,
-                              cliprange_low=self.clip_low, cliprange_high=self.clip_high, is_weights=exp.is_weights,
-                              ref_logp=exp.ref_logp if in_loss else None,
-                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0,
-                              kl_loss_kind=self.s.kl_loss_estimator)
+        loss, _ = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, norm, self.loss,
+                              is_weights=exp.is_weights, ref_logp=exp.ref_logp if in_loss else None,
+                              kl_loss_coef=self.kl_ctl.value if in_loss else 0.0)
         return loss
 
     def one_batch_critic_loss(self, model, parts: list[Experience]) -> torch.Tensor:
@@ -642,11 +645,9 @@ class Trainer:
         if logp is None:
             logp = self.policy_logp(self.actor, exp)
         in_loss = self.s.kl_in == "loss"
-        loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer,
-                                  loss_agg_mode=self.mode, cliprange_low=self.clip_low, cliprange_high=self.clip_high,
+        loss, stats = policy_loss(logp, exp.logp, exp.advantages, exp.action_mask, normalizer, self.loss,
                                   is_weights=exp.is_weights, ref_logp=exp.ref_logp if in_loss else None,
-                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0,
-                                  kl_loss_kind=self.s.kl_loss_estimator, token_stats=token_stats)
+                                  kl_loss_coef=self.kl_ctl.value if in_loss else 0.0, token_stats=token_stats)
         self.actor.backward(loss * scale)
         self._step_engine(self.actor, "actor_grad_norm")
         self._after_actor_step()

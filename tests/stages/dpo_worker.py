@@ -77,11 +77,13 @@ def main():
     out["lora_base_identical"] = _same(base, start)
     out["lora_adapters_moved"] = any(v.abs().sum().item() > 0 for k, v in state.items() if "lora_B" in k)
     # The adapters-disabled reference scores a batch exactly as the untouched starting model does.
+    from chatrl.config import DataConfig
     from chatrl.data import build_phase_data
     from chatrl.step2_dpo.batch import DPOCollator, IndexedPairs
 
-    data = build_phase_data(2, [str(DATA / "hh-rlhf" / "helpful-base[0:120]")], tok, data_split="0,1,0",
-                            max_seq_len=256, eval_fraction=0.2, cache_dir=f"{work}/cache")
+    data = build_phase_data(2, DataConfig([str(DATA / "hh-rlhf" / "helpful-base[0:120]")],
+                                          data_split="0,1,0", max_seq_len=256, eval_fraction=0.2,
+                                          data_output_path=f"{work}/cache"), tok)
     batch = DPOCollator(tok.pad_token_id)([IndexedPairs(data.eval)[i] for i in range(4)])
     fresh = load_causal_lm(f"{work}/base", tok).eval()
     want, _ = batch_logps(fresh, batch, "cpu")

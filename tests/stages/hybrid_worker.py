@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from chatrl.config import HybridEngineConfig, LoraConfig
+from chatrl.config import HybridEngineConfig, LoraConfig, SamplingConfig
 from chatrl.distributed import dist as cdist
 from chatrl.distributed.dist import run_program
 from chatrl.distributed.weights import gathered
@@ -143,16 +143,17 @@ def check_exact(engine, tok, results, tps, rank, n, lora):
         assert he.timings["gather"] >= 0 and he.timings["generate"] > 0
     # seeded sampling: reproducible, and equal to HF's sampler on the same weights at TP 1
     he = engines[min(tps)]
-    kw = dict(max_new_tokens=n, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, eos_token_id=eos,
-              pad_token_id=pad)
+    kw = dict(max_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
+    sampling = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
     torch.manual_seed(7 + rank)
-    a = he.generate(ids, mask, **kw)
+    a = he.generate(ids, mask, sampling=sampling, **kw)
     torch.manual_seed(7 + rank)
-    b = he.generate(ids, mask, **kw)
+    b = he.generate(ids, mask, sampling=sampling, **kw)
     assert torch.equal(a, b), "seeded sampling is not reproducible"
     torch.manual_seed(7 + rank)
     with torch.no_grad():
-        r = ref.generate(input_ids=ids, attention_mask=mask, **kw)
+        r = ref.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                         **kw)
     r = torch.cat([r, r.new_full((r.shape[0], a.shape[1] - r.shape[1]), pad)], dim=1)
     results["sampling_equal_hf"] = bool(torch.equal(a, r))
     for he in engines.values():

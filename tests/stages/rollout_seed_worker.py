@@ -12,24 +12,27 @@ import torch
 import chatrl.step3_ppo.main as step3
 from chatrl.distributed import dist
 from chatrl.distributed.dist import run_program
+from chatrl.hybrid_engine import HybridEngine
 
 
 def main():
     out_path, rest = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
     seen = []
-    make_generate = step3.make_generate
+    make_sampler = HybridEngine.sampler
 
-    def recording(actor_engine, settings, tokenizer):
-        hybrid, generate = make_generate(actor_engine, settings, tokenizer)
+    def recording(hybrid, *args, **kwargs):
+        sampler = make_sampler(hybrid, *args, **kwargs)
+        generate = sampler.generate
 
         def gen(ids, mask):
             out = generate(ids, mask)  # (sequences, sampler log-probs)
             seen.append(out[0][:, ids.shape[1]:].cpu())
             return out
 
-        return hybrid, gen
+        sampler.generate = gen
+        return sampler
 
-    step3.make_generate = recording
+    HybridEngine.sampler = recording
     step3.main(rest)
     mine = torch.cat(seen)
     parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

@@ -15,7 +15,7 @@ import pytest
 
 from chatrl.checkpoint import RUN_MARKER, check_output_dir, write_run_marker
 from chatrl.cli import parse
-from chatrl.config import LoraConfig
+from chatrl.config import DataConfig, LoraConfig
 from chatrl.data import build_phase_data, load_samples
 from chatrl.distributed import dist
 from chatrl.errors import UsageError
@@ -44,13 +44,13 @@ def pair(i: int) -> dict:
     return {"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": f"No {i}."}
 
 
-def phase(n: int, paths: list[str], tok, **kw):
-    """``build_phase_data`` with all pair rows in phase ``n``, nothing held out and no cache."""
+def phase(n: int, paths: list[str], tok, max_prompt_len: int = 256, **fields):
+    """``build_phase_data`` with all pair rows in phase ``n``, nothing held out and no cache; ``fields``
+    set the other fields of the data block."""
     split = {1: "1,0,0", 2: "0,1,0", 3: "0,0,1"}[n]
-    kw.setdefault("data_split", split)
-    kw.setdefault("eval_fraction", 0.0)
-    kw.setdefault("cache_dir", None)
-    return build_phase_data(n, paths, tok, **kw)
+    data = DataConfig(paths, **{"data_split": split, "eval_fraction": 0.0, "data_output_path": None,
+                      **fields})
+    return build_phase_data(n, data, tok, max_prompt_len=max_prompt_len)
 
 
 # 1 -----------------------------------------------------------------------------------------------
@@ -58,10 +58,10 @@ def test_missing_data_path_is_named_with_the_cache_on_and_as_eval_entry(gpt2, tm
     good = write_lines(tmp_path / "good.jsonl", [pair(i) for i in range(4)])
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(FileNotFoundError) as err:  # the default path: cache key first
-        build_phase_data(1, [good, str(missing)], gpt2, cache_dir=str(tmp_path / "cache"))
+        build_phase_data(1, DataConfig([good, str(missing)], data_output_path=str(tmp_path / "cache")), gpt2)
     assert str(err.value) == f"data path not found: {missing}"
     with pytest.raises(FileNotFoundError) as err:
-        phase(1, [good], gpt2, eval_data_paths=[str(tmp_path / "eval.jsonl")])
+        phase(1, [good], gpt2, eval_data_path=[str(tmp_path / "eval.jsonl")])
     assert str(err.value) == f"data path not found: {tmp_path / 'eval.jsonl'}"
 
 
@@ -228,7 +228,8 @@ def test_bad_data_split_is_named_before_any_data_is_read(gpt2, tmp_path):
              "0,0,0": "--data_split weights must not all be zero, got '0,0,0'"}
     for value, message in cases.items():
         with pytest.raises(ValueError) as err:
-            build_phase_data(2, [missing], gpt2, data_split=value, cache_dir=str(tmp_path / "cache"))
+            build_phase_data(2, DataConfig([missing], data_split=value,
+                                           data_output_path=str(tmp_path / "cache")), gpt2)
         assert str(err.value) == message
 
 
@@ -371,11 +372,12 @@ def test_empty_eval_split_is_cached_like_the_uncached_build_and_training_proceed
 
     entry = str(DATA / "hh-rlhf" / "helpful-base") + "[0:32]"
     kw = dict(data_split="1,0,0", max_seq_len=128)
-    plain = build_phase_data(1, [entry], stories_tok, cache_dir=None, **kw)
+    plain = build_phase_data(1, DataConfig([entry], data_output_path=None, **kw), stories_tok)
     assert (len(plain.train), len(plain.eval)) == (19, 0)
     for _ in range(2):  # the build that writes the entry, then a rerun that reads it
         with caplog.at_level(logging.WARNING, logger="chatrl.data.pipeline"):
-            cached = build_phase_data(1, [entry], stories_tok, cache_dir=str(tmp_path / "cache"), **kw)
+            cached = build_phase_data(1, DataConfig([entry], data_output_path=str(tmp_path / "cache"), **kw),
+                                      stories_tok)
         assert (len(cached.train), len(cached.eval)) == (19, 0)
         assert [x["input_ids"].tolist() for x in cached.train] == [x["input_ids"].tolist() for x in plain.train]
         assert "the eval split is empty" in caplog.text and "training proceeds without evaluation" in caplog.text

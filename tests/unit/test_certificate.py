@@ -27,7 +27,7 @@ from chatrl.evidence.weight_version import (
     WeightVersionError,
 )
 from chatrl.rl import core
-from chatrl.rl.loss import policy_loss
+from chatrl.rl.loss import PolicyLossSettings, policy_loss
 
 
 def test_critic_loss_with_the_step_normaliser_is_a_share_of_the_step_mean():
@@ -50,7 +50,7 @@ def test_policy_loss_reports_each_token_s_ratio_and_clip_side():
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
     stats: dict = {}
-    policy_loss(logp, old, adv, mask, 3.0, cliprange_low=0.2, token_stats=stats)
+    policy_loss(logp, old, adv, mask, 3.0, PolicyLossSettings(cliprange_low=0.2), token_stats=stats)
     torch.testing.assert_close(stats["ratio"], torch.tensor([[1.5, 0.5, 1.1, 1.0]]))  # 1 where masked
     # A > 0 and ratio 1.5 > 1.2: the upper clip removes the gradient; A < 0 and 0.5 < 0.8: the lower one
     assert stats["clip"].tolist() == [[1, -1, 0, 0]]

@@ -4,6 +4,7 @@ of 4 answers, no dead option, and gradient invariance under micro-batching, accu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from chatrl.rl import advantages as adv_mod
 from chatrl.rl import core
 from chatrl.rl import loss as loss_mod
 from chatrl.rl.algorithms import ALGORITHMS, get
-from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES
+from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES, PolicyLossSettings
 
 
 def critic_free_advantages(algorithm, scores, mask, n, *, kl=None, kl_coef=0.0, scale_by_std=True,
@@ -209,12 +210,12 @@ def test_policy_loss_hand_values_for_each_aggregation():
              "seq-mean-token-sum-norm": (token_sum / 12, 12)}
     for mode, (expected, norm) in cases.items():
         assert loss_mod.step_normalizers(MASK, 4, 1, mode, constant=3)[0].item() == norm
-        loss, stats = loss_mod.policy_loss(logp, old, adv, MASK, norm, loss_agg_mode=mode)
+        loss, stats = loss_mod.policy_loss(logp, old, adv, MASK, norm, PolicyLossSettings(mode))
         assert loss.item() == pytest.approx(expected, abs=1e-6), mode
     assert stats["clip_frac_high"].item() == pytest.approx(1 / 8)
     assert stats["clip_frac_low"].item() == pytest.approx(1 / 8)
     # Asymmetric clip (DAPO): eps_high 0.28 lets row 0 token 0 reach 1.28; eps_low 0.3 clips at 0.7.
-    loss, _ = loss_mod.policy_loss(logp, old, adv, MASK, 8, cliprange_low=0.3, cliprange_high=0.28)
+    loss, _ = loss_mod.policy_loss(logp, old, adv, MASK, 8, PolicyLossSettings(cliprange_low=0.3, cliprange_high=0.28))
     assert loss.item() == pytest.approx((token_sum - 0.08 * S2 - 0.1 / S2) / 8, abs=1e-6)
     # Gradient w.r.t. logp (token-mean): -A * ratio / 8 where unclipped, 0 where clipped.
     loss, _ = loss_mod.policy_loss(logp, old, adv, MASK, 8)
@@ -250,7 +251,7 @@ def test_kl_loss_is_weights_and_errors():
     with pytest.raises(ValueError, match="needs a constant"):
         loss_mod.step_normalizers(MASK, 4, 1, "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
-        loss_mod.policy_loss(logp, old, adv, MASK, 8, loss_agg_mode="sum")
+        loss_mod.policy_loss(logp, old, adv, MASK, 8, PolicyLossSettings("sum"))
 
 
 def kl_loss_gradient_error(kind: str | None, samples: int = 400_000) -> tuple[float, float]:
@@ -263,9 +264,9 @@ def kl_loss_gradient_error(kind: str | None, samples: int = 400_000) -> tuple[fl
     log_pi = torch.log_softmax(theta, -1)
     tokens = torch.multinomial(log_pi.detach().exp(), samples, replacement=True, generator=g)
     logp = log_pi[tokens].unsqueeze(1)
-    kwargs = {} if kind is None else {"kl_loss_kind": kind}
+    settings = PolicyLossSettings() if kind is None else PolicyLossSettings(kl_loss_kind=kind)
     loss, _ = loss_mod.policy_loss(logp, logp.detach(), torch.zeros_like(logp), torch.ones(samples, 1),
-                                   float(samples), ref_logp=log_ref[tokens].unsqueeze(1), kl_loss_coef=1.0, **kwargs)
+                                   float(samples), settings, ref_logp=log_ref[tokens].unsqueeze(1), kl_loss_coef=1.0)
     (grad,) = torch.autograd.grad(loss, theta, retain_graph=True)
     forward = (log_pi.exp() * (log_pi - log_ref)).sum()  # KL(pi || pi_ref), exact
     reverse = (log_ref.exp() * (log_ref - log_pi)).sum()  # KL(pi_ref || pi), exact
@@ -336,9 +337,8 @@ def test_every_option_changes_the_loss_or_gradient():
                                         scale_by_std=scale_by_std)
         norm = loss_mod.step_normalizers(mask, B, 1, mode, constant=constant)[0]
         w = None if cap is None else loss_mod.truncated_is_weights(old, sampler, mask, cap)
-        loss, _ = loss_mod.policy_loss(logp, old, adv, mask, norm, loss_agg_mode=mode, cliprange_low=low,
-                                 cliprange_high=high, is_weights=w, ref_logp=ref, kl_loss_coef=kl_loss_coef,
-                                 kl_loss_kind=kl_loss_kind)
+        loss, _ = loss_mod.policy_loss(logp, old, adv, mask, norm, PolicyLossSettings(mode, low, high, kl_loss_kind),
+                                       is_weights=w, ref_logp=ref, kl_loss_coef=kl_loss_coef)
         (g,) = torch.autograd.grad(loss, logp)
         return loss.detach(), g
 
@@ -377,13 +377,26 @@ def toy_setup(seed: int = 0):
     return W, tokens, mask, old, ref, scores
 
 
+@dataclass(frozen=True)
+class ToyBatch:
+    """The toy policy's parameters ``W`` and its 8 answers: ``tokens`` ``(8, A + 1)``, ``mask``, the
+    old and reference log-probs and the advantages ``(8, A)``."""
+
+    W: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor
+    adv: torch.Tensor
+
+
 def toy_logp(W: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logprobs_from_logits(W[tokens[:, :-1]], tokens[:, 1:])
 
 
-def step_grad(W, tokens, mask, old, ref, adv, rows, micro_batch, gas, mode, all_reduce_sum=None,
-              naive=False) -> torch.Tensor:
+def step_grad(b: ToyBatch, rows, micro_batch, gas, mode, all_reduce_sum=None, naive=False) -> torch.Tensor:
     """Summed gradient of one rank's rows trained as micro-batches with a global normaliser."""
+    W, tokens, mask, old, ref, adv = b.W, b.tokens, b.mask, b.old, b.ref, b.adv
     m = mask[rows]
     norms = loss_mod.step_normalizers(m, micro_batch, gas, mode, constant=5.0, all_reduce_sum=all_reduce_sum)
     grad = torch.zeros_like(W)
@@ -391,8 +404,8 @@ def step_grad(W, tokens, mask, old, ref, adv, rows, micro_batch, gas, mode, all_
         sl = slice(rows.start + i * micro_batch, rows.start + (i + 1) * micro_batch)
         if naive:  # the usual bug: each micro-batch normalised by its own count
             norm = loss_mod.step_normalizers(mask[sl], micro_batch, 1, mode, constant=5.0)[0]
-        loss, _ = loss_mod.policy_loss(toy_logp(W, tokens[sl]), old[sl], adv[sl], mask[sl], norm, loss_agg_mode=mode,
-                                 cliprange_low=0.2, cliprange_high=0.28, ref_logp=ref[sl], kl_loss_coef=0.1)
+        loss, _ = loss_mod.policy_loss(toy_logp(W, tokens[sl]), old[sl], adv[sl], mask[sl], norm,
+                                       PolicyLossSettings(mode, 0.2, 0.28), ref_logp=ref[sl], kl_loss_coef=0.1)
         grad += torch.autograd.grad(loss, W)[0]
     return grad
 
@@ -402,15 +415,15 @@ def test_same_gradient_for_one_micro_batch_accumulation_and_two_ranks(mode):
     W, tokens, mask, old, ref, scores = toy_setup()
     # Advantages on each rank's whole buffer: a group of 4 is one rank's rows, so they agree.
     adv = critic_free_advantages("grpo", scores, mask, 4)
-    args = (W, tokens, mask, old, ref, adv)
-    one = step_grad(*args, slice(0, 8), 8, 1, mode)
-    accumulated = step_grad(*args, slice(0, 8), 2, 4, mode)
-    ranks = simulate_ranks(lambda r, red: step_grad(*args, slice(4 * r, 4 * r + 4), 2, 2, mode, red), 2)
+    batch = ToyBatch(W, tokens, mask, old, ref, adv)
+    one = step_grad(batch, slice(0, 8), 8, 1, mode)
+    accumulated = step_grad(batch, slice(0, 8), 2, 4, mode)
+    ranks = simulate_ranks(lambda r, red: step_grad(batch, slice(4 * r, 4 * r + 4), 2, 2, mode, red), 2)
     assert one.abs().max() > 1e-3
     assert torch.allclose(accumulated, one, atol=1e-6, rtol=0)
     assert torch.allclose(ranks[0] + ranks[1], one, atol=1e-6, rtol=0)
     # The test can fail: normalising each micro-batch by its own count changes the gradient.
-    naive = step_grad(*args, slice(0, 8), 2, 4, mode, naive=True)
+    naive = step_grad(batch, slice(0, 8), 2, 4, mode, naive=True)
     assert (naive - one).abs().max() > 1e-3
 
 

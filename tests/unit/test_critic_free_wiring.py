@@ -72,9 +72,9 @@ def test_which_models_the_reward_and_the_critic_need():
 def test_an_environment_gives_a_reward_and_sizes_its_episodes():
     s = settings("--env", "calculator", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "8")
     assert s.reward_model_path() is None and s.critic_source() == ("a", False)  # PPO: a critic from the actor
-    e = s.episodes()
-    assert (e.max_turns, e.max_total_tokens) == (4, 32 + 7 * 8)  # an observation as long as a turn
-    e = settings("--env", "calculator", "--max_turns", "2", "--max_total_tokens", "300").episodes()
+    e = s.episodes().plan
+    assert (e.max_turns, e.max_total_tokens, e.max_prompt_len) == (4, 32 + 7 * 8, 32)  # an observation as long as a turn
+    e = settings("--env", "calculator", "--max_turns", "2", "--max_total_tokens", "300").episodes().plan
     assert (e.max_turns, e.max_total_tokens) == (2, 300)
     assert settings().episodes() is None
     with pytest.raises(UsageError, match="--max_turns needs --env"):

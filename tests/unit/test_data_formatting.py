@@ -99,6 +99,7 @@ def test_rule1_example_ids_are_those_of_the_joined_text():
 
 
 def test_rule1_holds_for_every_step_and_the_scoring_tool(tmp_path):
+    from chatrl.config import DataConfig
     from chatrl.data import build_phase_data
     from chatrl.data.schema import Sample
     from chatrl.step2_reward.score import encode_rows
@@ -108,10 +109,10 @@ def test_rule1_holds_for_every_step_and_the_scoring_tool(tmp_path):
     f.write_text(json.dumps({"prompt": "Tell me a story.", "chosen": "Once upon a time…", "rejected": "No."}) + "\n")
     joined = tok(format_prompt(tok, STORY) + " Once upon a time…").input_ids + [tok.eos_token_id]
     joined_r = tok(format_prompt(tok, STORY) + " No.").input_ids + [tok.eos_token_id]
-    kw = dict(eval_fraction=0.0, cache_dir=None)
-    sft = build_phase_data(1, [str(f)], tok, data_split="1,0,0", **kw).train[0]
-    rm = build_phase_data(2, [str(f)], tok, data_split="0,1,0", **kw).train[0]
-    ppo = build_phase_data(3, [str(f)], tok, data_split="0,0,1", **kw).train[0]
+    kw = dict(eval_fraction=0.0, data_output_path=None)
+    sft = build_phase_data(1, DataConfig([str(f)], data_split="1,0,0", **kw), tok).train[0]
+    rm = build_phase_data(2, DataConfig([str(f)], data_split="0,1,0", **kw), tok).train[0]
+    ppo = build_phase_data(3, DataConfig([str(f)], data_split="0,0,1", **kw), tok).train[0]
     assert sft["input_ids"].tolist() == joined
     assert rm["chosen_input_ids"].tolist() == joined and rm["rejected_input_ids"].tolist() == joined_r
     assert ppo["prompt_ids"].tolist() == joined[:sft["prompt_len"]]

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from chatrl.config import DataConfig
 from chatrl.data import build_phase_data, encode_answer, encode_prompt
 from chatrl.data.examples import pair_example, sft_example
 from chatrl.data.pipeline import phase_cache_key
@@ -48,19 +49,21 @@ def test_each_phase_holds_the_expected_tokens(gpt2, pairs_file):
     p = [encode_prompt(gpt2, msgs(f"Question {i}?")) for i in range(20)]
     c = [encode_answer(gpt2, f"Answer {i}.") for i in range(20)]
     r = [encode_answer(gpt2, f"No {i}.") for i in range(20)]
-    one = build_phase_data(1, [pairs_file], gpt2, data_split="1,0,0", eval_fraction=0.0, cache_dir=None)
+    one = build_phase_data(1, DataConfig([pairs_file], data_split="1,0,0", eval_fraction=0.0,
+                                         data_output_path=None), gpt2)
     assert (len(one.train), len(one.eval)) == (20, 0)
     assert as_lists(one.train, "input_ids") == sorted(p[i] + c[i] for i in range(20))
     item = one.train[0]
     assert item["input_ids"].dtype == torch.long and isinstance(item["prompt_len"], int)
     i = next(k for k in range(20) if p[k] + c[k] == item["input_ids"].tolist())
     assert item["prompt_len"] == len(p[i]) and item["input_ids"][-1].item() == gpt2.eos_token_id
-    two = build_phase_data(2, [pairs_file], gpt2, data_split="0,1,0", eval_fraction=0.1, cache_dir=None)
+    two = build_phase_data(2, DataConfig([pairs_file], data_split="0,1,0", eval_fraction=0.1,
+                                         data_output_path=None), gpt2)
     assert (len(two.train), len(two.eval)) == (18, 2)
     assert as_lists(two.train, "chosen_input_ids") + as_lists(two.eval, "chosen_input_ids") != []
     got = sorted(as_lists(two.train, "rejected_input_ids") + as_lists(two.eval, "rejected_input_ids"))
     assert got == sorted(p[i] + r[i] for i in range(20))
-    three = build_phase_data(3, [pairs_file], gpt2, data_split="2,4,4", cache_dir=None)
+    three = build_phase_data(3, DataConfig([pairs_file], data_split="2,4,4", data_output_path=None), gpt2)
     assert (len(three.train), len(three.eval)) == (7, 1)
     assert all(three.train[k]["prompt_ids"].tolist() in p for k in range(7))
     assert three.report.summary() == f"{pairs_file}: 8 rows, 8 used."
@@ -74,19 +77,19 @@ def test_truncation_keeps_answer_end_and_counts_too_long(gpt2, tmp_path):
     p = encode_prompt(gpt2, msgs(long_prompt))
     c, r = encode_answer(gpt2, "It is sunny."), encode_answer(gpt2, "Rain.")
     max_len = len(c) + 5
-    one = build_phase_data(1, [path], gpt2, data_split="1,0,0", eval_fraction=0.0, max_seq_len=max_len,
-                           cache_dir=None)
+    one = build_phase_data(1, DataConfig([path], data_split="1,0,0", eval_fraction=0.0,
+                                         max_seq_len=max_len, data_output_path=None), gpt2)
     assert len(one.train) == 1
     assert one.train[0]["input_ids"].tolist() == p[-5:] + c
     assert one.train[0]["prompt_len"] == 5
     assert one.report.skipped(path) == {"too_long": 1} and one.report.counts(path).truncated == 1
-    two = build_phase_data(2, [path], gpt2, data_split="0,1,0", eval_fraction=0.0, max_seq_len=max_len,
-                           cache_dir=None)
+    two = build_phase_data(2, DataConfig([path], data_split="0,1,0", eval_fraction=0.0,
+                                         max_seq_len=max_len, data_output_path=None), gpt2)
     item = two.train[0]
     assert item["chosen_input_ids"].tolist() == p[-5:] + c  # the prompt fits the longer answer
     assert item["rejected_input_ids"].tolist() == p[-5:] + r
-    three = build_phase_data(3, [path], gpt2, data_split="0,0,1", eval_fraction=0.0, max_prompt_len=4,
-                             cache_dir=None)
+    three = build_phase_data(3, DataConfig([path], data_split="0,0,1", eval_fraction=0.0,
+                                           data_output_path=None), gpt2, max_prompt_len=4)
     assert sorted(three.train[k]["prompt_ids"].tolist() for k in range(2)) == sorted(
         [p[-4:], encode_prompt(gpt2, msgs("Hi?"))[-4:]])
     assert three.report.summary() == f"{path}: 2 rows, 2 used, truncated 2."
@@ -109,43 +112,46 @@ def test_pair_identical_after_tokenization_is_skipped(tmp_path):
             {"prompt": "Tea place?", "chosen": "tea room", "rejected": "bar"},
             {"prompt": "Same?", "chosen": "yes", "rejected": " yes "}]
     path = write_jsonl(tmp_path / "nfc.jsonl", rows)
-    two = build_phase_data(2, [path], qwen2, data_split="0,1,0", eval_fraction=0.0, cache_dir=None)
+    two = build_phase_data(2, DataConfig([path], data_split="0,1,0", eval_fraction=0.0,
+                                         data_output_path=None), qwen2)
     assert len(two.train) == 1
     assert two.report.summary() == f"{path}: 3 rows, 1 used, skipped 2 identical_pair."
-    one = build_phase_data(1, [path], qwen2, data_split="1,0,0", eval_fraction=0.0, cache_dir=None)
+    one = build_phase_data(1, DataConfig([path], data_split="1,0,0", eval_fraction=0.0,
+                                         data_output_path=None), qwen2)
     assert len(one.train) == 3  # identical pairs still teach their chosen answer
 
 
 def test_source_kinds_eval_paths_and_errors(gpt2, pairs_file, tmp_path):
     alpaca = str(DATA / "alpaca-instructions" / "instruction-data.json")
     prompts = str(DATA / "prompts")
-    one = build_phase_data(1, [pairs_file, alpaca, prompts], gpt2, max_seq_len=1024, cache_dir=None)
+    one = build_phase_data(1, DataConfig([pairs_file, alpaca, prompts], max_seq_len=1024,
+                                         data_output_path=None), gpt2)
     assert list(one.report.sources) == [pairs_file, alpaca]
     assert (len(one.train), len(one.eval)) == (3 + 1045, 1 + 55)
-    three = build_phase_data(3, [pairs_file, alpaca, prompts], gpt2, cache_dir=None)
+    three = build_phase_data(3, DataConfig([pairs_file, alpaca, prompts], data_output_path=None), gpt2)
     assert list(three.report.sources) == [pairs_file, prompts]
     evals = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "E?", "chosen": "e", "rejected": "f"}] * 3)
-    two = build_phase_data(2, [pairs_file], gpt2, eval_data_paths=[evals], cache_dir=None)
+    two = build_phase_data(2, DataConfig([pairs_file], eval_data_path=[evals], data_output_path=None), gpt2)
     assert (len(two.train), len(two.eval)) == (8, 3)
     assert two.report.describe(f"eval:{evals}") == f"eval:{evals}: 3 rows, 3 used"
     with pytest.raises(ValueError, match="phase 2 gets no training rows"):
-        build_phase_data(2, [alpaca, prompts], gpt2, cache_dir=None)
+        build_phase_data(2, DataConfig([alpaca, prompts], data_output_path=None), gpt2)
     with pytest.raises(ValueError, match="phase 2 cannot use"):
-        build_phase_data(2, [pairs_file], gpt2, eval_data_paths=[alpaca], cache_dir=None)
+        build_phase_data(2, DataConfig([pairs_file], eval_data_path=[alpaca], data_output_path=None), gpt2)
     with pytest.raises(ValueError, match="--data_split"):
-        build_phase_data(1, [pairs_file], gpt2, data_split="1,2", cache_dir=None)
+        build_phase_data(1, DataConfig([pairs_file], data_split="1,2", data_output_path=None), gpt2)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        build_phase_data(1, [str(tmp_path / "missing.jsonl")], gpt2, cache_dir=None)
+        build_phase_data(1, DataConfig([str(tmp_path / "missing.jsonl")], data_output_path=None), gpt2)
 
 
 def test_cache_round_trip(gpt2, pairs_file, tmp_path):
     cache = tmp_path / "cache"
-    first = build_phase_data(2, [pairs_file], gpt2, cache_dir=str(cache))
+    first = build_phase_data(2, DataConfig([pairs_file], data_output_path=str(cache)), gpt2)
     [key] = os.listdir(cache)
     assert sorted(os.listdir(cache / key)) == ["eval", "report.json", "train"]
     (cache / key / "report.json").write_text(json.dumps({"marker": {"rows": 1, "used": 1, "skipped": {},
                                                                    "truncated": 0}}))
-    second = build_phase_data(2, [pairs_file], gpt2, cache_dir=str(cache))
+    second = build_phase_data(2, DataConfig([pairs_file], data_output_path=str(cache)), gpt2)
     assert second.report.summary() == "marker: 1 rows, 1 used."  # read from disk, not rebuilt
     assert len(second.train) == len(first.train) == 7
     for k in range(7):

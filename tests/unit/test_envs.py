@@ -28,9 +28,10 @@ from chatrl.envs.calculator import (
     format_number,
 )
 from chatrl.envs.guess import GuessNumberEnv
-from chatrl.envs.rollout import run_episodes
+from chatrl.envs.rollout import Episodes, run_episodes
 from chatrl.errors import UsageError
 from chatrl.models.causal_lm import load_tokenizer, stop_token_ids
+from chatrl.sizes import EpisodePlan
 from tests.conftest import STORIES, TOKENIZERS
 
 # ----------------------------------------------------------------------------- the calculator
@@ -196,9 +197,9 @@ def test_two_tool_call_episode_ids_and_masks_token_by_token(tok_name):
         history = history + [{"role": "assistant", "content": a}] + (
             [{"role": "tool", "content": ["408", "413"][i]}] if i < 2 else [])
     sampler = ScriptedSampler(sampled, tok.pad_token_id, width=max(map(len, sampled)) + 3)
-    ep = run_episodes(sampler, tok, load_environment("calculator"), [
-        {"messages": [question], "metadata": {"reference": "413"}, "seed": 0}], max_turns=4, max_prompt_len=64,
-        max_total_tokens=512, stop_ids=stop_token_ids(tok), device="cpu")
+    ep = run_episodes(sampler, tok, Episodes(load_environment("calculator"), EpisodePlan(4, 512, 64)), [
+        {"messages": [question], "metadata": {"reference": "413"}, "seed": 0}], stop_ids=stop_token_ids(tok),
+        device="cpu")
     prompt = encode_conversation(tok, [question], generation_prompt=True).ids
     obs1 = observation_ids(tok, history[:2], [{"role": "tool", "content": "408"}])
     obs2 = observation_ids(tok, history[:4], [{"role": "tool", "content": "413"}])
@@ -235,25 +236,25 @@ def test_episodes_end_on_budget_turns_and_unfinished_turns():
     row = {"messages": [{"role": "user", "content": "1+1?"}], "metadata": {"reference": "2"}, "seed": 0}
     env = load_environment("calculator", '{"max_calls": 100}')
     # --max_turns 2: two calls, the episode stops after the second turn (the tool's answer is not appended)
-    ep = run_episodes(ScriptedSampler([call_ids + [eot]] * 2, tok.pad_token_id, 20), tok, env, [row], max_turns=2,
-                      max_prompt_len=64, max_total_tokens=512, stop_ids=[eot], device="cpu")
+    ep = run_episodes(ScriptedSampler([call_ids + [eot]] * 2, tok.pad_token_id, 20), tok,
+                      Episodes(env, EpisodePlan(2, 512, 64)), [row], stop_ids=[eot], device="cpu")
     assert ep.turns.tolist() == [2] and ep.action_mask.sum().item() == 2 * (len(call_ids) + 1)
     assert ep.sequences[0, -1].item() == eot
     # a turn without a stop token ends the episode, not ended (--penalty_no_eos applies)
-    ep = run_episodes(ScriptedSampler([call_ids], tok.pad_token_id, len(call_ids)), tok, env, [row], max_turns=3,
-                      max_prompt_len=64, max_total_tokens=512, stop_ids=[eot], device="cpu")
+    ep = run_episodes(ScriptedSampler([call_ids], tok.pad_token_id, len(call_ids)), tok,
+                      Episodes(env, EpisodePlan(3, 512, 64)), [row], stop_ids=[eot], device="cpu")
     assert ep.turns.tolist() == [1] and ep.ended.tolist() == [False]
     # a turn ending with another stop token (ChatML's EOS <|endoftext|>, not <|im_end|>) ends the episode:
     # the model closed the conversation, and no observation follows it
     eos = tok.eos_token_id
     assert eos != eot and eos in stop_token_ids(tok)
-    ep = run_episodes(ScriptedSampler([call_ids + [eos]], tok.pad_token_id, 20), tok, env, [row], max_turns=3,
-                      max_prompt_len=64, max_total_tokens=512, stop_ids=stop_token_ids(tok), device="cpu")
+    ep = run_episodes(ScriptedSampler([call_ids + [eos]], tok.pad_token_id, 20), tok,
+                      Episodes(env, EpisodePlan(3, 512, 64)), [row], stop_ids=stop_token_ids(tok), device="cpu")
     assert ep.turns.tolist() == [1] and ep.ended.tolist() == [True] and ep.sequences[0, -1].item() == eos
     # --max_total_tokens: the turn is cut at the budget
     prompt_len = len(encode_conversation(tok, row["messages"], generation_prompt=True).ids)
-    ep = run_episodes(ScriptedSampler([call_ids + [eot]], tok.pad_token_id, 20), tok, env, [row], max_turns=3,
-                      max_prompt_len=64, max_total_tokens=prompt_len + 3, stop_ids=[eot], device="cpu")
+    ep = run_episodes(ScriptedSampler([call_ids + [eot]], tok.pad_token_id, 20), tok,
+                      Episodes(env, EpisodePlan(3, prompt_len + 3, 64)), [row], stop_ids=[eot], device="cpu")
     assert ep.sequences.shape[1] == prompt_len + 3 and ep.ended.tolist() == [False]
 
 
@@ -268,9 +269,10 @@ def test_an_environment_error_is_an_env_error():
             raise KeyError("boom")
 
     with pytest.raises(EnvError, match="KeyError: 'boom'"):
-        run_episodes(ScriptedSampler([[stop_token_ids(tok)[0]]], tok.pad_token_id, 2), tok, Broken,
-                     [{"messages": [{"role": "user", "content": "x"}], "metadata": {}, "seed": 0}], max_turns=2,
-                     max_prompt_len=16, max_total_tokens=64, stop_ids=stop_token_ids(tok), device="cpu")
+        run_episodes(ScriptedSampler([[stop_token_ids(tok)[0]]], tok.pad_token_id, 2), tok,
+                     Episodes(Broken, EpisodePlan(2, 64, 16)),
+                     [{"messages": [{"role": "user", "content": "x"}], "metadata": {}, "seed": 0}],
+                     stop_ids=stop_token_ids(tok), device="cpu")
 
 
 # ----------------------------------------------------------------------------- the tool chat (chat.py --env)

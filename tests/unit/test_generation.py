@@ -15,7 +15,7 @@ def test_plain_model_uses_step3s_decoder_and_matches_hf_generate():
     engine = inference_engine(model)
     assert engine.enabled and engine._direct  # the KV-cache decoder on the module itself, no copy
     prompts = [tok("Once upon a time")["input_ids"], tok("The dog")["input_ids"], tok("Hi")["input_ids"]]
-    ours = generate_answers(engine, prompts, tok, 24, {"do_sample": False})
+    ours = generate_answers(engine, prompts, tok, 24, None)
     ids, mask = left_pad(prompts, tok.pad_token_id)
     with torch.no_grad():
         hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,

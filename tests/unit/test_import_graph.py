@@ -152,3 +152,57 @@ def test_deepspeed_workarounds_live_in_one_module():
     found = [f"{p.relative_to(PKG.parent)}: {m}" for p in PKG.rglob("*.py") if p.name != "deepspeed_patches.py"
              for m in markers if m in p.read_text()]
     assert not found, found
+
+
+ROOT = PKG.parent
+STEP_PACKAGES = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo")
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> int:
+    """A function's parameters, ``self``/``cls`` not counted, ``*args`` and ``**kwargs`` one each."""
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_parameter_count_sees_every_kind_of_parameter():
+    fn = ast.parse("def f(self, a, /, b, *c, d, **e): pass").body[0]
+    assert parameter_count(fn) == 5
+    assert parameter_count(ast.parse("lambda x, y=1: x").body[0].value) == 2
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    """Settings travel as their typed blocks (chatrl.config) or a small dataclass naming what they are
+    (sampling, loss, episodes, the ranks), not as long lists of loose arguments."""
+    files = [p for base in ("chatrl", "tests", "scripts", "bench") for p in (ROOT / base).rglob("*.py")]
+    files += [ROOT / "train.py", ROOT / "chat.py"]
+    over = [f"{p.relative_to(ROOT)}:{n.lineno} {getattr(n, 'name', 'lambda')} ({parameter_count(n)})"
+            for p in files for n in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and parameter_count(n) > 10]
+    assert over == []
+
+
+def chatrl_imports(path: Path) -> set[str]:
+    """The distinct ``chatrl`` modules a file imports (``from chatrl.distributed import dist`` counts ``chatrl.distributed.dist``)."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.ImportFrom) and n.module and (n.module + ".").startswith("chatrl."):
+            out |= {f"chatrl.{a.name}" for a in n.names} if n.module == "chatrl" else {n.module}
+        elif isinstance(n, ast.Import):
+            out |= {a.name for a in n.names if (a.name + ".").startswith("chatrl.")}
+    return out
+
+
+def test_step3_program_reads_top_to_bottom():
+    """Step 3's program wires parts that their own modules build (the hybrid engine's sampler, the
+    reward's kinds, the settings' checks and plan, the engines): few imports, and no function of a step
+    program longer than a screen."""
+    imports = chatrl_imports(PKG / "step3_ppo" / "main.py")
+    assert "chatrl.step3_ppo.trainer" in imports and len(imports) <= 12, sorted(imports)
+    long = [f"{p.relative_to(ROOT)}:{n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for package in STEP_PACKAGES for p in (PKG / package).glob("*.py")
+            for n in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 70]
+    assert long == []

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from chatrl.config import DataConfig
 from chatrl.data import SFTCollator, build_phase_data, encode_prompt
 from chatrl.data.examples import conversation_example
 from chatrl.data.schema import RowSkip, adapt_hh, adapt_messages, adapt_pairs
@@ -86,10 +87,10 @@ def test_sharegpt_sft_trains_every_assistant_turn(tmp_path, tok):
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(multi))
     samples = read_source(str(path)).samples
-    data = build_phase_data(1, [str(path)], tok, data_split="10,0,0", eval_fraction=0.0, max_seq_len=100_000,
-                            cache_dir=None)
-    off = build_phase_data(1, [str(path)], tok, data_split="10,0,0", eval_fraction=0.0, max_seq_len=100_000,
-                           cache_dir=None, all_turns="false")
+    data = build_phase_data(1, DataConfig([str(path)], data_split="10,0,0", eval_fraction=0.0,
+                                          max_seq_len=100_000, data_output_path=None), tok)
+    off = build_phase_data(1, DataConfig([str(path)], data_split="10,0,0", eval_fraction=0.0,
+                                         max_seq_len=100_000, data_output_path=None), tok, all_turns="false")
     collate = SFTCollator(tok.pad_token_id)
     batch, last_only = collate([data.train[i] for i in range(3)]), collate([off.train[i] for i in range(3)])
     eot = tok.convert_ids_to_tokens(end_of_turn_token_id(tok))
@@ -113,8 +114,8 @@ def test_oasst_sft_trains_every_assistant_turn_of_its_paths(tmp_path, tok):
     path = tmp_path / "oa.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
     samples = read_source(str(path)).samples
-    data = build_phase_data(1, [str(path)], tok, data_split="10,0,0", eval_fraction=0.0, max_seq_len=100_000,
-                            cache_dir=None)
+    data = build_phase_data(1, DataConfig([str(path)], data_split="10,0,0", eval_fraction=0.0,
+                                          max_seq_len=100_000, data_output_path=None), tok)
     assert len(data.train) == len(samples)
     eot = tok.convert_ids_to_tokens(end_of_turn_token_id(tok))
     batch = SFTCollator(tok.pad_token_id)([data.train[i] for i in range(len(samples))])
@@ -149,7 +150,8 @@ def test_conversation_pairs_share_the_turn_by_turn_prompt(tmp_path, tok):
              "rejected": [U(f"Hi {i}"), A("Hello."), U("Bye"), A("Go away.")]} for i in range(4)]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = build_phase_data(2, [str(path)], tok, data_split="0,10,0", eval_fraction=0.0, cache_dir=None)
+    data = build_phase_data(2, DataConfig([str(path)], data_split="0,10,0", eval_fraction=0.0,
+                                          data_output_path=None), tok)
     item = data.train[0]
     prompt = encode_conversation(tok, [U("Hi 0"), A("Hello."), U("Bye")], generation_prompt=True).ids
     n = item["prompt_len"]

@@ -12,12 +12,15 @@ import torch
 from chatrl.config import PPOConfig, RewardConfig
 from chatrl.data.formatting import encode_example
 from chatrl.envs import load_environment
+from chatrl.envs.rollout import Episodes
+from chatrl.hybrid_engine import Sampler
 from chatrl.models.causal_lm import load_tokenizer, stop_token_ids
 from chatrl.rewards import build_reward
 from chatrl.rl import core
 from chatrl.rl.advantages import AdvantageInputs, grpo_outcome_advantages, outcome_per_token, ppo_advantages
 from chatrl.rl.stats import PooledStats
 from chatrl.sizes import plan_episodes
+from chatrl.step3_ppo.engine import RLHFEngines
 from chatrl.step3_ppo.trainer import Trainer, concat_rollouts, summarize
 from tests.conftest import TOKENIZERS
 from tests.unit.test_envs import ScriptedSampler
@@ -48,9 +51,9 @@ def make_trainer(tok, sampler, algorithm: str, critic=None, n: int = 2):
                          separate_experience_pass=True, init_kl_coef=0.05)
     reward = build_reward(RewardConfig(reward_fn=["exact_match"]), episodes=True)
     vocab = len(tok)
-    return Trainer(FakeEngine(tiny_lm(vocab, 0), 1), FakeEngine(tiny_lm(vocab, 1), 1), critic, reward, sampler,
-                   core.FixedKLController(0.05), settings, tok, env=load_environment("calculator"),
-                   episodes=plan_episodes(64, 16, 3, None), max_prompt_len=64)
+    return Trainer(RLHFEngines(FakeEngine(tiny_lm(vocab, 0), 1), FakeEngine(tiny_lm(vocab, 1), 1), critic), reward,
+                   Sampler(sampler), core.FixedKLController(0.05), settings, tok,
+                   episodes=Episodes(load_environment("calculator"), plan_episodes(64, 16, 3, None)))
 
 
 def test_observation_tokens_are_masked_everywhere(setup):
@@ -112,8 +115,8 @@ def test_single_answers_keep_no_turn_tensors(setup):
     tok, q, first, _ = setup
     settings = PPOConfig(rl_algorithm="grpo", num_samples_per_prompt=2, per_device_training_batch_size=4)
     sampler = ScriptedSampler([first], tok.pad_token_id, 16)
-    tr = Trainer(FakeEngine(tiny_lm(len(tok), 0), 1), FakeEngine(tiny_lm(len(tok), 1), 1), None,
-                 build_reward(RewardConfig(reward_fn=["exact_match"])), sampler, core.FixedKLController(0.05),
+    tr = Trainer(RLHFEngines(FakeEngine(tiny_lm(len(tok), 0), 1), FakeEngine(tiny_lm(len(tok), 1), 1)),
+                 build_reward(RewardConfig(reward_fn=["exact_match"])), Sampler(sampler), core.FixedKLController(0.05),
                  settings, tok)
     ids = torch.tensor([tok("hi")["input_ids"]])
     exp = tr.rollout(ids, torch.ones_like(ids), [{"reference": "1"}], step=1)

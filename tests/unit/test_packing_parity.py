@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatrl.config import OptimConfig, PackingConfig, PPOConfig
+from chatrl.config import OptimConfig, PackingConfig, PPOConfig, SamplingConfig
 from chatrl.data.collate import PackedPairCollator, PackedSFTCollator, PairCollator, SFTCollator
 from chatrl.errors import UsageError
+from chatrl.hybrid_engine import Sampler
 from chatrl.logprobs import IGNORE_INDEX
 from chatrl.models.causal_lm import check_packing, load_causal_lm, load_tokenizer
 from chatrl.models.reward_model import RewardModel, load_reward_model, pairwise_loss
@@ -26,7 +27,8 @@ from chatrl.sizes import loss_aggregation
 from chatrl.step1_sft.loss import sft_nll
 from chatrl.step2_dpo.batch import DPOCollator, PackedDPOCollator, batch_answer_logps, split_pairs
 from chatrl.step2_dpo.loss import DPOConfig, preference_loss
-from chatrl.step3_ppo.trainer import Experience, Trainer
+from chatrl.step3_ppo.engine import RLHFEngines
+from chatrl.step3_ppo.trainer import Experience, OptimizerStep, Trainer
 
 FAMILIES = ("opt", "llama", "qwen2")
 TOL = 1e-5
@@ -197,9 +199,9 @@ def rollouts(pad_token_id: int, vocab: int = 1000) -> Experience:
 
 
 def make_trainer(settings, actor, reference, critic, tok, gas, packing=None, temperature=1.0):
-    return Trainer(FakeEngine(actor, gas), reference, critic and FakeEngine(critic, gas), None, None,
-                   SimpleNamespace(value=0.1), settings, tok, gradient_accumulation_steps=gas, answer_len=6,
-                   temperature=temperature, packing=packing)
+    return Trainer(RLHFEngines(FakeEngine(actor, gas), reference, critic and FakeEngine(critic, gas)), None,
+                   Sampler(None, SamplingConfig(temperature=temperature)), SimpleNamespace(value=0.1), settings, tok,
+                   step=OptimizerStep(gas, answer_len=6), packing=packing)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,7 @@ import torch
 
 from chatrl.logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from chatrl.rl import core
-from chatrl.rl.loss import policy_loss, step_normalizers
+from chatrl.rl.loss import PolicyLossSettings, policy_loss, step_normalizers
 
 GARBAGE = 1e6
 
@@ -33,8 +33,8 @@ def compute_rewards(score, logp, ref_logp, mask, kl_coef=0.1, clip_reward_value=
 def actor_loss(logp, old_logp, advantages, mask, clip_eps=0.2):
     """PPO's actor loss as the trainer computes it: the policy loss over one micro-batch's own tokens."""
     norm = step_normalizers(mask, mask.shape[0], 1, "micro-batch-token-mean")[0]
-    return policy_loss(logp, old_logp, advantages, mask, norm, loss_agg_mode="micro-batch-token-mean",
-                       cliprange_low=clip_eps)
+    return policy_loss(logp, old_logp, advantages, mask, norm,
+                       PolicyLossSettings("micro-batch-token-mean", cliprange_low=clip_eps))
 
 
 

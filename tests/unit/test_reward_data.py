@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from chatrl.config import DataConfig
 from chatrl.data import PromptCollator, build_phase_data
 from chatrl.data.schema import RowSkip, adapt_prompt, detect_schema
 from chatrl.models.causal_lm import load_tokenizer
@@ -48,8 +49,9 @@ def test_metadata_reaches_step_3_batches_and_bad_rows_are_counted(tmp_path):
     tok = load_tokenizer(str(TOKENIZERS / "gpt2"))
 
     def build():
-        return build_phase_data(3, [str(path)], tok, data_split="0,0,1", eval_data_paths=[str(held_out)],
-                                cache_dir=str(tmp_path / "c"))
+        return build_phase_data(3, DataConfig([str(path)], data_split="0,0,1",
+                                              eval_data_path=[str(held_out)],
+                                              data_output_path=str(tmp_path / "c")), tok)
 
     data = build()
     assert data.eval[0]["metadata"] == {"reference": 0}

@@ -13,7 +13,8 @@ import torch
 from chatrl.config import PPOConfig
 from chatrl.models.reward_model import RewardModel
 from chatrl.rl.stats import PooledStats
-from chatrl.step3_ppo.trainer import Experience, Trainer, packed_answer_logp
+from chatrl.step3_ppo.engine import RLHFEngines
+from chatrl.step3_ppo.trainer import Experience, OptimizerStep, Trainer, packed_answer_logp
 
 
 class FakeEngine(torch.nn.Module):
@@ -72,9 +73,8 @@ def experience(with_values: bool = False) -> Experience:
 
 def trainer(settings: PPOConfig, actor, gas: int, critic=None) -> Trainer:
     tok = SimpleNamespace(eos_token_id=1, pad_token_id=0, chat_template=None)
-    return Trainer(FakeEngine(actor, gas), FakeEngine(tiny_model(), 1), critic, None,
-                   None, SimpleNamespace(value=0.1), settings, tok, gradient_accumulation_steps=gas, world_size=1,
-                   answer_len=5)
+    return Trainer(RLHFEngines(FakeEngine(actor, gas), FakeEngine(tiny_model(), 1), critic), None,
+                   None, SimpleNamespace(value=0.1), settings, tok, step=OptimizerStep(gas, answer_len=5))
 
 
 def grads(model) -> torch.Tensor:

@@ -104,17 +104,18 @@ def step3_settings(*flags):
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["plain_generate", "hybrid_engine"])
 def test_step3_rollout_mask_penalty_and_eos_rate_use_the_declared_stop(stories, hybrid):
+    from chatrl.hybrid_engine import HybridEngine
     from chatrl.rewards import FunctionReward, WeightedReward
-    from chatrl.step3_ppo.main import make_generate
+    from chatrl.step3_ppo.engine import RLHFEngines
     from chatrl.step3_ppo.trainer import Trainer
 
     tok, model, ids = stories
     s = step3_settings("--rl_algorithm", "grpo", "--num_samples_per_prompt", "2", "--penalty_no_eos", "1.0",
                        *(["--enable_hybrid_engine"] if hybrid else []))
     actor = ActorEngine(model)
-    _, generate = make_generate(actor, s, tok)
+    sampler = HybridEngine(actor, s.hybrid).sampler(s.rollout.max_answer_seq_len, s.sampling, tok)
     reward = WeightedReward([(1.0, FunctionReward(lambda p, a, m: [0.5] * len(a), name="half"))])
-    trainer = Trainer(actor, actor, None, reward, generate, SimpleNamespace(value=0.0), s.ppo, tok)
+    trainer = Trainer(RLHFEngines(actor, actor), reward, sampler, SimpleNamespace(value=0.0), s.ppo, tok)
     assert trainer.stops == [2, 1]
     exp = trainer.rollout(ids, torch.ones_like(ids), None, step=1)
     assert exp.action_mask.sum(1).tolist() == [TAIL] * 2  # through the BOS that ends the story (before: 48)
@@ -142,8 +143,9 @@ def test_one_definition_of_an_ended_answer_with_chatml():
     """Qwen2's ChatML: EOS is <|endoftext|>, a turn ends with <|im_end|>. Generation, the action mask,
     --penalty_no_eos and eos_rate all count <|im_end|> (the critic-free loop once logged eos_rate 0.000
     for answers that all ended their turn, against the tokenizer's EOS alone)."""
+    from chatrl.hybrid_engine import HybridEngine
     from chatrl.rewards import FunctionReward, WeightedReward
-    from chatrl.step3_ppo.main import make_generate
+    from chatrl.step3_ppo.engine import RLHFEngines
     from chatrl.step3_ppo.trainer import Trainer
 
     tok = load_tokenizer(str(TOKENIZERS / "qwen2"), padding_side="left")
@@ -152,32 +154,24 @@ def test_one_definition_of_an_ended_answer_with_chatml():
     prompt = torch.tensor([[tok.convert_tokens_to_ids("<|im_start|>"), 872, 198]] * 4)
     captured = {}
 
-    class Hybrid:  # what make_generate asks of the hybrid engine
+    class Hybrid:  # what HybridEngine.sampler asks of the hybrid engine
         in_inference = False
-
-        def __init__(self, *a, **kw):
-            pass
 
         def inference(self):
             import contextlib
             return contextlib.nullcontext()
 
+        def sampler_stamp(self):  # no weight stamps
+            return None
+
         def generate(self, ids, mask, **kw):
             captured.update(kw)
             return torch.cat([ids, torch.tensor(answers)], 1), torch.zeros(4, 5)
 
-    import chatrl.step3_ppo.main as step3_main
-
-    real = step3_main.HybridEngine
-    step3_main.HybridEngine = Hybrid
-    try:
-        s = step3_settings("--rl_algorithm", "rloo", "--num_samples_per_prompt", "1", "--penalty_no_eos", "2.0")
-        s.ppo.num_samples_per_prompt = 1
-        _, generate = make_generate(None, s, tok)
-    finally:
-        step3_main.HybridEngine = real
+    s = step3_settings("--rl_algorithm", "rloo", "--num_samples_per_prompt", "1", "--penalty_no_eos", "2.0")
+    sampler = HybridEngine.sampler(Hybrid(), s.rollout.max_answer_seq_len, s.sampling, tok)
     reward = WeightedReward([(1.0, FunctionReward(lambda p, a, m: [1.0] * len(a), name="one"))])
-    trainer = Trainer(None, None, None, reward, generate, SimpleNamespace(value=0.0), s.ppo, tok)
+    trainer = Trainer(RLHFEngines(None, None), reward, sampler, SimpleNamespace(value=0.0), s.ppo, tok)
     exp = trainer.rollout(prompt, torch.ones_like(prompt), None, step=1)
     assert captured["eos_token_id"] == trainer.stops == stop_token_ids(tok) == [im_end, eot]
     assert exp.action_mask.sum(1).tolist() == [3, 2, 5, 1]
