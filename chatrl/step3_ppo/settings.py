@@ -11,7 +11,7 @@ from chatrl.envs import load_environment
 from chatrl.envs.rollout import Episodes
 from chatrl.errors import UsageError
 from chatrl.hybrid_engine.tp_plan import check_inference_tp
-from chatrl.models import check_context_window, check_packing, sampling_settings
+from chatrl.models.causal_lm import check_context_window, check_packing, sampling_settings
 from chatrl.rl.algorithms import ALGORITHMS, Algorithm
 from chatrl.rl.loss import check_rollout_is
 from chatrl.sizes import EpisodePlan, PPOPlan, PromptCounts, plan_episodes, plan_ppo
