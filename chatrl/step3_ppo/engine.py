@@ -87,6 +87,7 @@ def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPla
     probes["actor"] = LossScaleProbe.start(actor, dtype, probe_on, resuming, train_mode=False, what="actor")
     actor_engine = dist.trained_engine(actor, s.actor_optim, s.actor_lora, s.actor_zero, dtype, batch,
                                        plan.actor_steps, plan.num_warmup_steps)
+    probes["actor"].use_gradient_buffer(getattr(actor_engine, "gradient_buffer", None))
     ref_engine = None
     if needs_reference(s):
         reference = load_causal_lm(s.actor.model_name_or_path, tokenizer, dtype, dropout=s.actor.dropout,
