@@ -250,15 +250,17 @@ class Tracker:
         for alert in fired:
             self.write(format_alert(alert, self._desc))
 
-    def sample(self, step: int, prompt: str, answer: str, score: float, kl: float, show: bool = True,
+    def sample(self, step: int, prompt: str, answer: str, score: float, kl: float | None, show: bool = True,
                turns: list[dict] | None = None) -> None:
         """Record one rollout of optimizer step ``step`` in ``logs/samples.jsonl`` (for the run report):
-        its prompt and answer text, reward-model ``score`` and summed ``kl`` (nats); ``show`` prints it.
+        its prompt and answer text, reward-model ``score`` and summed ``kl`` (nats; ``None``, left out of
+        the row, when the run has no reference); ``show`` prints it.
         A multi-turn episode also records its ``turns`` (``{"role", "content", "observation"}``), the
         environment's observations marked, and prints them as such (``[tool] …``)."""
         if not self.enabled:
             return
-        row = {"step": step, "prompt": prompt, "answer": answer, "score": float(score), "kl": float(kl)}
+        row = {"step": step, "prompt": prompt, "answer": answer, "score": float(score),
+               **({"kl": float(kl)} if kl is not None else {})}
         if turns is not None:
             row["turns"] = turns
             answer = "".join(f"\n  [{t['role']}] {t['content']}\n" if t["observation"] else t["content"] for t in turns)

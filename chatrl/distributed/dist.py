@@ -556,6 +556,8 @@ def initialize(model, config: dict, optimizer=None, lr_scheduler=None):
     if sparse:
         deepspeed_patches.densify_after_allreduce(engine, sparse)
     if optimizer is not None:
+        if plain and engine.dp_world_size > 1:  # the gradients are the all-reduce's buffer
+            deepspeed_patches.gradients_in_buffer(engine, sparse)
         deepspeed_patches.kept_allreduce_buffer(engine)
     return engine
 

@@ -325,6 +325,30 @@ class LossScaleProbe:
 
     def __init__(self, copy_: torch.nn.Module | None, dtype: str, reason: str | None, what: str = "model"):
         self.copy, self.dtype, self.reason, self.what = copy_, dtype, reason, what
+        self.gradient_buffer: torch.Tensor | None = None
+
+    def use_gradient_buffer(self, buffer: torch.Tensor | None) -> None:
+        """Let :meth:`check` put the copy's gradients in ``buffer``: the trained engine's flat gradient
+        buffer (:func:`chatrl.distributed.deepspeed_patches.gradients_in_buffer`), all zeros between its optimizer
+        step and its next backward, when the check runs. The copy's trainable parameters fill it in
+        order (it is used only when their sizes add up to it and it holds zeros) and it is zeroed again afterwards: the
+        check then needs no gradient memory of its own (one model's weights less at its peak). ``None``:
+        the copy gets gradients of its own."""
+        self.gradient_buffer = buffer
+
+    def _gradients_in_buffer(self, model: torch.nn.Module) -> bool:
+        """Attach views of :attr:`gradient_buffer` as ``model``'s gradients; False when it does not fit."""
+        buf = self.gradient_buffer
+        params = [p for p in model.parameters() if p.requires_grad and p.numel()]
+        if buf is None or sum(p.numel() for p in params) != buf.numel() or any(p.dtype != buf.dtype for p in params):
+            return False
+        if bool(buf.any()):  # gradients accumulating for the engine's next step: not borrowed
+            return False
+        offset = 0
+        for p in params:
+            p.grad = buf[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return True
 
     @classmethod
     def start(cls, model: torch.nn.Module, dtype: str, enabled: bool, resuming: bool, train_mode: bool = True,
@@ -390,6 +414,7 @@ class LossScaleProbe:
             model = self.copy
             model.train(train_mode)
             model.zero_grad(set_to_none=True)
+            shared = self._gradients_in_buffer(model)
             loss = 0.0
             for part in loss_parts(reference_loss(model, gathered)):
                 part.backward()
@@ -397,7 +422,10 @@ class LossScaleProbe:
             squares = sum(float(p.grad.detach().double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
             result[0] = math.sqrt(squares)
             result[1] = loss
-        self.copy = None  # the copy is needed once
+            if shared:  # the engine's buffer back as its next backward expects it
+                model.zero_grad(set_to_none=True)
+                self.gradient_buffer.zero_()
+        self.copy = self.gradient_buffer = None  # the copy is needed once
         result = all_reduce_sum(result)
         barrier()
         ref, ref_loss = float(result[0]), float(result[1])

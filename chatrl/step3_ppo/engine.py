@@ -1,7 +1,8 @@
 """The models of step 3 (and the optional EMA actor) as DeepSpeed engines.
 
 * actor: the step-1 model, trained (own ZeRO stage, LoRA, gradient checkpointing, learning rate);
-* reference: a frozen copy of the step-1 model (optionally offloaded to CPU under ZeRO-3);
+* reference: a frozen copy of the step-1 model (optionally offloaded to CPU under ZeRO-3), unless the
+  KL coefficient is 0 (:func:`needs_reference`: nothing would read it but the logged KL);
 * critic (algorithms with one, :attr:`chatrl.rl.algorithms.Algorithm.needs_critic`): from the
   step-2 reward model, value head included, trained; or, with a rule reward alone, from the actor
   with a fresh value head;
@@ -37,12 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RLHFEngines:
-    """The engines of a step-3 run; ``critic``, ``reward`` and ``ema`` are ``None`` when not built.
+    """The engines of a step-3 run; ``reference``, ``critic``, ``reward`` and ``ema`` are ``None`` when not built.
     ``probes``: the loss-scale probes of the trained models (``actor``, ``critic``), made before
     DeepSpeed wrapped them (:class:`chatrl.evidence.certificate.LossScaleProbe`)."""
 
     actor: object
-    reference: object
+    reference: object | None = None
     critic: object | None = None
     reward: object | None = None
     ema: object | None = None
@@ -85,6 +86,15 @@ def actor_tokenizer(s: Step3Settings, reward_path: str | None, episodes: bool) -
     return tokenizer
 
 
+def needs_reference(s: Step3Settings) -> bool:
+    """Whether step 3 builds the frozen reference: only when the KL coefficient ``--init_kl_coef`` is
+    above 0. At 0 no KL term is in the reward or in the loss, and it stays 0 (the fixed controller
+    keeps it, the adaptive one multiplies it), so the reference would cost one model's weights and a
+    forward per buffer for the logged KL alone; without it, ``ref_logp`` and ``kl`` of the experience
+    are ``None`` and the metric ``kl`` is absent (as in TRL's GRPO at ``beta`` 0)."""
+    return s.ppo.init_kl_coef > 0
+
+
 def check_tokenizers_compatible(actor_tok, reward_tok, actor_path: str, reward_path: str) -> None:
     """The reward model reads the actor's token ids directly, so both tokenizers must map text alike.
 
@@ -119,10 +129,16 @@ def build_engines(s: Step3Settings, tokenizer, info: dist.DistInfo, plan: PPOPla
     probes["actor"] = LossScaleProbe.start(actor, dtype, probe_on, resuming, train_mode=False, what="actor")
     actor_engine = dist.trained_engine(actor, s.actor_optim, s.actor_lora, s.actor_zero, dtype, batch,
                                        plan.actor_steps, plan.num_warmup_steps)
-    reference = load_causal_lm(s.actor.model_name_or_path, tokenizer, dtype, dropout=s.actor.dropout,
-                               trust_remote_code=s.actor.trust_remote_code, fp32_lm_head=s.actor.fp32_lm_head)
-    ref_engine = dist.frozen_engine(reference, s.actor_zero.zero_stage, batch, dtype,
-                                    s.actor_zero.partition_frozen_models, s.actor_zero.offload_reference_model)
+    probes["actor"].use_gradient_buffer(getattr(actor_engine, "gradient_buffer", None))
+    ref_engine = None
+    if needs_reference(s):
+        reference = load_causal_lm(s.actor.model_name_or_path, tokenizer, dtype, dropout=s.actor.dropout,
+                                   trust_remote_code=s.actor.trust_remote_code, fp32_lm_head=s.actor.fp32_lm_head)
+        ref_engine = dist.frozen_engine(reference, s.actor_zero.zero_stage, batch, dtype,
+                                        s.actor_zero.partition_frozen_models, s.actor_zero.offload_reference_model)
+    else:
+        log.info("no reference model: the KL coefficient is 0 (--init_kl_coef 0), so no KL term is in the reward or "
+                 "the loss; the KL to the reference is not measured (no 'kl' metric)")
     ema_engine = None
     if ema_model is not None:  # partitioned like the actor under ZeRO-3: the EMA update averages local partitions
         # held in float32 whatever --dtype: an update of (1 - beta) = 0.008 of a bf16 weight's change is

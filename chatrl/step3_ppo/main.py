@@ -183,7 +183,7 @@ def _train(step3: Step3Run) -> dict:
     t_start, trend, total = time.time(), Trend(), plan.total_buffers
 
     def figures(step, metrics: dict, rss: float, t0: float) -> dict:  # after the non-finite guard
-        if not step.skipped:  # a skipped (non-finite) step tells the KL controller nothing
+        if not step.skipped and "kl" in metrics:  # a skipped (non-finite) step tells the KL controller nothing
             kl_ctl.update(metrics["kl"], plan.rollouts_per_buffer)
         metrics["memory/rss_train_max_mb"] = dist.all_reduce_max(torch.tensor(rss)).item()
         metrics.update(skipped_steps=run.skipped, samples=step3.samples, actor_lr=engines.actor.get_lr()[0],
@@ -199,7 +199,8 @@ def _train(step3: Step3Run) -> dict:
             a = exp.sequences[0, exp.prompt_len:][exp.action_mask[0] > 0]
             run.tracker.sample(n, tokenizer.decode(p, skip_special_tokens=True),
                                tokenizer.decode(a, skip_special_tokens=True), exp.scores[0].item(),
-                               (exp.kl[0] * exp.action_mask[0]).sum().item(), show=s.rollout.print_answers,
+                               (exp.kl[0] * exp.action_mask[0]).sum().item() if exp.kl is not None else None,
+                               show=s.rollout.print_answers,
                                turns=episode_turns(exp, 0) if exp.turns is not None else None)
         run.metrics = metrics
         return metrics

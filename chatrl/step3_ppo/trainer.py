@@ -232,10 +232,13 @@ class Trainer:
 
     Args:
         models: the engines (:class:`chatrl.step3_ppo.engine.RLHFEngines`): ``actor`` (with optimizer),
-            ``reference`` (frozen, engine or module, the actor's tokenizer), ``critic`` (``critic(ids,
-            mask)`` returns ``(values (B, T), end_scores (B,))``; ``None`` when the algorithm has no
-            critic) and ``ema``, an optional EMA copy of the actor, averaged after every actor optimizer
-            step (ZeRO-3 partitions are averaged in place, no gather). Its ``reward`` engine is not used.
+            ``reference`` (frozen, engine or module, the actor's tokenizer; ``None`` when the KL
+            coefficient is 0, :func:`chatrl.step3_ppo.engine.needs_reference`: the experience's
+            ``ref_logp`` and ``kl`` are then ``None`` and no ``kl`` statistic is logged), ``critic``
+            (``critic(ids, mask)`` returns ``(values (B, T), end_scores (B,))``; ``None`` when the
+            algorithm has no critic) and ``ema``, an optional EMA copy of the actor, averaged after every
+            actor optimizer step (ZeRO-3 partitions are averaged in place, no gather). Its ``reward``
+            engine is not used.
         reward: ``reward(RewardBatch) -> (scores (B,), {"reward/<name>": (B,)})``
             (:class:`chatrl.rewards.WeightedReward`).
         sampler: the rollouts' :class:`chatrl.hybrid_engine.Sampler` (``None``: the trainer only
@@ -483,7 +486,8 @@ class Trainer:
                 parts["entropy"].append(entropy)
                 if self.critic is not None:
                     parts["values"].append(self.critic_values(part))
-            parts["ref_logp"].append(self.policy_logp(self.reference, part))
+            if self.reference is not None:
+                parts["ref_logp"].append(self.policy_logp(self.reference, part))
         exp.ref_logp, exp.logp, exp.entropy, exp.values = (torch.cat(parts[k]) if parts[k] else None
                                                            for k in ("ref_logp", "logp", "entropy", "values"))
         return exp, ({} if deferred else self.finish_experience(exp, stats))
@@ -496,9 +500,15 @@ class Trainer:
         ``rollout/logp_diff_*`` (global). A collective (REINFORCE++'s whitening, the agreement
         figures): every rank calls it."""
         s = self.s
-        exp.kl = core.masked_kl(exp.logp, exp.ref_logp, exp.action_mask, s.kl_estimator)
         kl_coef = self.kl_ctl.value if s.kl_in == "reward" else 0.0
-        out = self.algorithm.estimate(AdvantageInputs(exp.scores, exp.action_mask, exp.kl, kl_coef, exp.values,
+        if exp.ref_logp is not None:
+            exp.kl = core.masked_kl(exp.logp, exp.ref_logp, exp.action_mask, s.kl_estimator)
+            kl = exp.kl
+        else:  # no reference (a KL coefficient of 0): the penalty is 0 whatever the KL
+            if kl_coef:
+                raise ValueError(f"a KL coefficient of {kl_coef} needs the reference model's log-probs")
+            kl = torch.zeros_like(exp.logp, dtype=torch.float32)
+        out = self.algorithm.estimate(AdvantageInputs(exp.scores, exp.action_mask, kl, kl_coef, exp.values,
                                                       self.n, self.all_reduce_sum, exp.turn_rewards), s)
         exp.advantages, exp.returns, exp.rewards = out.advantages, out.returns, out.rewards
         if s.rollout_is_cap > 0:
@@ -707,7 +717,7 @@ def summarize(exp: Experience, kl_coef: float, stop_ids: list[int], stats: Poole
     over the global batch: means over rollouts (scores and their parts, the per-answer KL, answer
     length, the share of answers that end their turn), the scores' standard deviation, the entropy
     over action tokens, and with a critic ``explained_variance``, with per-token rewards
-    ``reward/mean``. Multi-turn episodes: ``answer_len`` counts sampled tokens, ``eos_rate`` is the
+    ``reward/mean``; ``kl`` only where there is a reference. Multi-turn episodes: ``answer_len`` counts sampled tokens, ``eos_rate`` is the
     share whose last turn ended, and ``episode/turns`` and ``episode/observation_len`` (tokens the
     environment appended) are added."""
     m = exp.action_mask
@@ -716,7 +726,8 @@ def summarize(exp: Experience, kl_coef: float, stop_ids: list[int], stats: Poole
     stats.add_std("reward/score_std", exp.scores)
     for k, v in exp.reward_parts.items():
         stats.add_mean(k, v)
-    stats.add_mean("kl", (exp.kl * m).sum(dim=1))
+    if exp.kl is not None:  # None without a reference (a KL coefficient of 0)
+        stats.add_mean("kl", (exp.kl * m).sum(dim=1))
     stats.add_mean("entropy", exp.entropy, m)
     stats.add_mean("answer_len", m.sum(dim=1).float())
     if exp.turns is None:

@@ -201,6 +201,40 @@ def test_loss_scale_probe_compares_the_first_step_with_one_micro_batch():
     assert LossScaleProbe.start(model, "fp32", True, True).property_unchecked().passed is None  # resumed
 
 
+def test_loss_scale_probe_borrows_the_engines_zeroed_gradient_buffer():
+    """The probe's copy puts its gradients in the trained engine's flat gradient buffer when that holds
+    zeros (between an optimizer step and the next backward): the same figure to the bit as with
+    gradients of its own, no gradient left on the copy, the buffer zero again; a buffer that holds
+    gradients, or of another size, is left alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+    def loss(m, parts):
+        idx = torch.cat([torch.cat(p) for p in parts])
+        return ((m(x[idx]) - y[idx]) ** 2).mean()
+
+    items = [torch.arange(4), torch.arange(4, 8)]
+    own = LossScaleProbe.start(model, "fp32", True, False).check(1.0, items, loss)
+    size = sum(p.numel() for p in model.parameters())
+    probe = LossScaleProbe.start(model, "fp32", True, False)
+    copy_ = probe.copy
+    buffer = torch.zeros(size)
+    probe.use_gradient_buffer(buffer)
+    assert probe._gradients_in_buffer(copy_)
+    seen = [p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for p in copy_.parameters()]
+    copy_.zero_grad(set_to_none=True)
+    borrowed = probe.check(1.0, items, loss)
+    assert all(seen)
+    assert borrowed.details["one_micro_batch_grad_norm"] == own.details["one_micro_batch_grad_norm"] > 0
+    assert not buffer.any() and all(p.grad is None for p in copy_.parameters())
+    busy = LossScaleProbe.start(model, "fp32", True, False)
+    busy.use_gradient_buffer(torch.ones(size))  # gradients accumulating: not borrowed, not zeroed
+    assert not busy._gradients_in_buffer(busy.copy) and busy.gradient_buffer.sum() == size
+    busy.use_gradient_buffer(torch.zeros(size + 1))
+    assert not busy._gradients_in_buffer(busy.copy)
+
+
 def test_certificate_file_and_agreement_bounds(tmp_path):
     c = Certificate(tmp_path, "step 3 (ppo)")
     c.add(agreement_property(8e-6, "fp32", steps=40))

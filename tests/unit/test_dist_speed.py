@@ -477,3 +477,82 @@ def test_deepspeed_all_gather_calls_no_deprecated_torch_function():
     line = [x for x in proc.stdout.splitlines() if x.startswith("GATHERED")]
     assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert line[0] == "GATHERED [1.0, 2.0, 3.0] WARNINGS []"
+
+
+_GRADIENT_BUFFER_PROBE = r"""
+import copy, json, sys
+import torch
+from transformers import OPTConfig, OPTForCausalLM
+from chatrl.distributed import deepspeed_patches
+from chatrl.distributed import dist
+from chatrl.sizes import BatchSizes
+info = dist.init_distributed()
+cfg = OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+                max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0)
+torch.manual_seed(0)
+model = OPTForCausalLM(cfg)
+model.unused = torch.nn.Parameter(torch.ones(3))  # never receives a gradient
+fresh = copy.deepcopy(model)
+config = dist.deepspeed_config(BatchSizes(2, 2, info.world_size), 0, dtype="fp32", gradient_clipping=0.5)
+
+def build(m):  # two parameter groups, as chatrl builds them (no decay on biases and norms)
+    named = list(m.named_parameters())
+    groups = [{"params": [p for n, p in named if p.ndim > 1], "weight_decay": 0.1},
+              {"params": [p for n, p in named if p.ndim <= 1], "weight_decay": 0.0}]
+    return dist.initialize(m, config, dist.make_optimizer(groups, lr=1e-2, offload=False))
+
+lean = build(model)
+install = deepspeed_patches.gradients_in_buffer
+deepspeed_patches.gradients_in_buffer = lambda engine, exclude=(): None  # as before: fresh gradients each step
+own = build(fresh)
+deepspeed_patches.gradients_in_buffer = install
+buf = lean.gradient_buffer
+def in_buffer(e):
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+               for p in e.module.parameters())
+views, norms = [in_buffer(lean)], []
+g = torch.Generator().manual_seed(1)
+for step in range(4):
+    for micro in range(2):
+        ids = torch.randint(2, 500, (info.world_size, 2, 12), generator=g)[info.rank]
+        for e in (lean, own):
+            loss = e(input_ids=ids, labels=ids).loss * 10
+            e.backward(loss * float("nan") if step == 2 else loss)  # step 2: a non-finite gradient
+            if e is lean:
+                views.append(in_buffer(lean))
+            e.step()
+    norms.append([e.get_global_grad_norm() for e in (lean, own)])
+    views.append(in_buffer(lean))
+diff = max((p - q).abs().max().item() for p, q in zip(lean.module.parameters(), own.module.parameters(), strict=True))
+own_grads = len({p.grad.untyped_storage().data_ptr() for p in own.module.parameters() if p.grad is not None})
+if info.rank == 0:
+    print("RESULT", json.dumps({"diff": diff, "views": views, "norms": norms, "own_grads": own_grads,
+                                "skipped": [lean.skipped_steps, own.skipped_steps],
+                                "buffer": buf.numel(), "params": sum(p.numel() for p in lean.module.parameters())}), flush=True)
+dist.shutdown()
+dist.exit_now()
+"""
+
+
+def test_zero0_gradients_are_the_allreduce_buffer_and_take_the_same_steps(tmp_path):
+    """Two ranks, fp32 ZeRO-0, two micro-batches per optimizer step, clipping, a NaN step: the
+    gradients are views of one buffer (:func:`~chatrl.distributed.deepspeed_patches.gradients_in_buffer`, all-reduced
+    where it stands: no second copy of the gradients) before every backward, after it and after every
+    step, and the engine reaches the same weights to the bit, with the same gradient norms, as one
+    whose gradients are fresh tensors flattened into the kept all-reduce buffer at every step."""
+    import json
+    import math
+
+    from tests.launch import run_ranks
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_GRADIENT_BUFFER_PROBE)
+    out = run_ranks([str(probe)], nprocs=2, timeout=300)
+    res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT")).split(" ", 1)[1])
+    assert all(res["views"]) and len(res["views"]) == 13, res["views"]
+    assert res["buffer"] == res["params"]  # one buffer of every trainable parameter (the tied head counted once)
+    assert res["own_grads"] == 0  # the other engine drops its gradients at each step (new ones at each backward)
+    assert res["skipped"] == [1, 1]
+    for step, (lean, own) in enumerate(res["norms"]):
+        assert (math.isnan(lean) and math.isnan(own)) if step == 2 else (lean == own > 0.5), res["norms"]  # clipped
+    assert res["diff"] == 0.0, res
