@@ -42,10 +42,10 @@ def answer_token_logps(model, batch) -> torch.Tensor:
 def probe(path: str, args) -> tuple[dict, dict]:
     from chatrl.config import DataConfig
     from chatrl.data import build_phase_data
+    from chatrl.generation import eos_rate
     from chatrl.models.causal_lm import end_of_turn_token_id, load_causal_lm, load_tokenizer
-    from chatrl.step1_sft.main import eos_rate
     from chatrl.step2_dpo.batch import DPOCollator
-    from chatrl.step2_dpo.main import _ChosenAsSFT
+    from chatrl.step2_dpo.main import chosen_prompts
 
     tok = load_tokenizer(path)
     model = load_causal_lm(path, tok, dtype="fp32").eval()
@@ -80,9 +80,8 @@ def probe(path: str, args) -> tuple[dict, dict]:
         sums["len_c"] += n_ans[:k].sum().item()
         sums["len_r"] += n_ans[k:].sum().item()
         sums["c_longer"] += (n_ans[:k] > n_ans[k:]).sum().item()
-    engine = types.SimpleNamespace(module=model, eval=model.eval, train=model.train)
     info = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    rate = eos_rate(engine, _ChosenAsSFT(pairs), tok, args.n_samples, args.max_new_tokens, 0, info)
+    rate = eos_rate(model, chosen_prompts(pairs, args.n_samples), tok, args.max_new_tokens, 0, info)
     row = {"eos_rate": rate, "eos_logp/chosen": sums["eos_c"] / n, "eos_logp/rejected": sums["eos_r"] / n,
            "token_logp/chosen": sums["tok_c"] / sums["n_tok_c"], "token_logp/rejected": sums["tok_r"] / sums["n_tok_r"],
            "logps/chosen": sums["lp_c"] / n, "logps/rejected": sums["lp_r"] / n}
