@@ -25,7 +25,7 @@ from chatrl.rewards import (
 from chatrl.rl.loss import GLOBAL_LOSS_AGG_MODES, logp_diff
 from chatrl.rl.stats import PooledStats
 from chatrl.tools.reward_server import make_server
-from tests.unit.test_critic_free import critic_free_advantages, step_grad, toy_setup
+from tests.unit.test_critic_free import ToyBatch, critic_free_advantages, step_grad, toy_setup
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -52,9 +52,9 @@ def main():
         full_adv = critic_free_advantages("grpo", scores, mask, 4)
         local_adv = torch.zeros_like(full_adv)  # only this rank's rows are read
         local_adv[rows] = critic_free_advantages("grpo", scores[rows], mask[rows], 4)
-        grad = step_grad(W, tokens, mask, old, ref, local_adv, rows, 2, 2, mode, all_reduce_sum)
+        grad = step_grad(ToyBatch(W, tokens, mask, old, ref, local_adv), rows, 2, 2, mode, all_reduce_sum)
         grad = all_reduce_sum(grad)
-        one = step_grad(W, tokens, mask, old, ref, full_adv, slice(0, 8), 8, 1, mode)
+        one = step_grad(ToyBatch(W, tokens, mask, old, ref, full_adv), slice(0, 8), 8, 1, mode)
         result["grad_diff"][mode] = (grad - one).abs().max().item()
         result["grad_norm"] = one.norm().item()
 
