@@ -66,7 +66,7 @@ def rank_program(argv: list[str], out: str) -> None:
 
         setattr(obj, attr, wrapped)
 
-    after(step3, "phase_data", "tokenizer_data")
+    after(step3, "prompt_batches", "tokenizer_data")
     import chatrl.step3_ppo.engine as engine_mod
 
     after(engine_mod.dist, "trained_engine", "actor_engine")
@@ -89,7 +89,7 @@ def rank_program(argv: list[str], out: str) -> None:
         return wrapped
 
     step3.build_engines = build_engines
-    after(step3, "make_generate", "hybrid_engine")
+    after(step3.HybridEngine, "sampler", "hybrid_engine")
     original_rollout = trainer_mod.Trainer.rollout
 
     def rollout(self, prompt_ids, prompt_mask, metadata, number, *a, **k):
