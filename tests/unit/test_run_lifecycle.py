@@ -108,7 +108,7 @@ def trainer_field_reads(source: str, methods: set[str]) -> list[str]:
 def test_the_certificate_reads_no_field_of_a_trainer():
     methods = _trainer_methods()
     assert {"trace_learning", "learning_trace", "weight_versions", "first_optimizer_step_rows"} <= methods
-    for path in (CHATRL / "certificate.py", CHATRL / "step3_ppo" / "evidence.py"):
+    for path in (CHATRL / "evidence" / "certificate.py", CHATRL / "step3_ppo" / "evidence.py"):
         assert trainer_field_reads(path.read_text(encoding="utf-8"), methods) == [], path.name
 
 
